@@ -1,0 +1,32 @@
+#include "core/dispatch_layout.h"
+
+#include <algorithm>
+
+#include "core/exception.h"
+
+namespace pa2a {
+
+void dispatch_layout(const int32_t* topk_ids, int32_t num_tokens, int32_t topk,
+                     const Placement& placement, int32_t world, int32_t rank,
+                     int32_t max_tokens, int32_t* tokens_per_rank, int32_t* tokens_per_expert,
+                     uint8_t* is_token_in_rank) {
+  std::fill(tokens_per_rank, tokens_per_rank + world, 0);
+  std::fill(tokens_per_expert, tokens_per_expert + placement.num_experts, 0);
+  std::fill(is_token_in_rank, is_token_in_rank + static_cast<size_t>(num_tokens) * world, 0);
+  for (int32_t t = 0; t < num_tokens; ++t) {
+    uint8_t* in_rank = is_token_in_rank + static_cast<size_t>(t) * world;
+    for (int32_t k = 0; k < topk; ++k) {
+      const int32_t e = topk_ids[static_cast<size_t>(t) * topk + k];
+      if (e < 0) continue;
+      PA2A_CHECK_ARG(e < placement.num_experts, "topk_ids[", t, ", ", k, "] = ", e,
+                     " is not an expert id in [0, ", placement.num_experts, ")");
+      ++tokens_per_expert[e];
+      int32_t d = 0, l = 0;
+      select_replica(placement, e, global_token_id(rank, max_tokens, t), &d, &l);
+      in_rank[d] = 1;
+    }
+    for (int32_t d = 0; d < world; ++d) tokens_per_rank[d] += in_rank[d];
+  }
+}
+
+}  // namespace pa2a

@@ -1,0 +1,216 @@
+#include "core/numa_memory.h"
+
+#include <dirent.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdint>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#include "core/exception.h"
+
+namespace pa2a {
+namespace {
+
+// linux/mempolicy.h values, spelled out so the build needs neither libnuma nor numaif.h.
+constexpr int kMpolBind = 2;
+constexpr unsigned kMpolMfStrict = 1u << 0;  // fail if pages already sit elsewhere...
+constexpr unsigned kMpolMfMove = 1u << 1;    // ...unless they can be moved
+constexpr unsigned long kMpolFNode = 1ul << 0;
+constexpr unsigned long kMpolFAddr = 1ul << 1;
+constexpr size_t kBitsPerWord = 8 * sizeof(unsigned long);
+// Verifying every page of a multi-GiB buffer costs a syscall each; the first, the last and
+// evenly spaced pages in between catch a partial bind just as well.
+constexpr size_t kVerifySamples = 64;
+
+const char* errno_name(int e) {
+  switch (e) {
+    case EPERM:
+      return "EPERM";
+    case ENOSYS:
+      return "ENOSYS";
+    case EINVAL:
+      return "EINVAL";
+    case EIO:
+      return "EIO";
+    case EFAULT:
+      return "EFAULT";
+    case ENOMEM:
+      return "ENOMEM";
+    default:
+      return "errno";
+  }
+}
+
+std::string refusal_hint(int e) {
+  if (e == EPERM || e == ENOSYS)
+    return " (containers need CAP_SYS_NICE, e.g. docker run --cap-add SYS_NICE, for the "
+           "mempolicy syscalls)";
+  return "";
+}
+
+long sys_mbind(void* p, size_t n, int node) {
+  std::vector<unsigned long> mask(static_cast<size_t>(node) / kBitsPerWord + 1, 0ul);
+  mask[static_cast<size_t>(node) / kBitsPerWord] |= 1ul
+                                                    << (static_cast<size_t>(node) % kBitsPerWord);
+  // maxnode is "bits + 1" by the kernel's convention (it decrements before use).
+  const unsigned long maxnode = mask.size() * kBitsPerWord + 1;
+  return syscall(SYS_mbind, p, n, kMpolBind, mask.data(), maxnode, kMpolMfStrict | kMpolMfMove);
+}
+
+void touch_pages(void* p, size_t n, size_t page) {
+  // Read then write the same byte: faults the page in under the VMA's (or, for a shared
+  // /dev/shm mapping, the file's) policy and never clobbers data already there.
+  auto* bytes = static_cast<volatile unsigned char*>(p);
+  for (size_t off = 0; off < n; off += page) bytes[off] = bytes[off];
+}
+
+}  // namespace
+
+size_t page_size() {
+  const long s = sysconf(_SC_PAGESIZE);
+  return s > 0 ? static_cast<size_t>(s) : 4096;
+}
+
+int numa_num_nodes() {
+  DIR* d = opendir("/sys/devices/system/node");
+  if (d == nullptr) return 1;
+  int count = 0;
+  while (const dirent* e = readdir(d)) {
+    const char* name = e->d_name;
+    if (std::strncmp(name, "node", 4) != 0 || name[4] == '\0') continue;
+    bool digits = true;
+    for (const char* c = name + 4; *c != '\0'; ++c) digits = digits && (*c >= '0' && *c <= '9');
+    if (digits) ++count;
+  }
+  closedir(d);
+  return count > 0 ? count : 1;
+}
+
+bool numa_node_exists(int node) {
+  if (node < 0) return false;
+  struct stat st;
+  if (stat("/sys/devices/system/node", &st) != 0) return node == 0;  // kernel without NUMA
+  const std::string path = "/sys/devices/system/node/node" + std::to_string(node);
+  return stat(path.c_str(), &st) == 0;
+}
+
+int numa_node_of_current_cpu() {
+  unsigned cpu = 0, node = 0;
+  if (syscall(SYS_getcpu, &cpu, &node, nullptr) != 0) return 0;
+  return static_cast<int>(node);
+}
+
+int numa_node_of_address(const void* addr) {
+  int node = -1;
+  if (syscall(SYS_get_mempolicy, &node, nullptr, 0ul, addr, kMpolFNode | kMpolFAddr) != 0)
+    return -1;
+  return node;
+}
+
+NumaBindResult numa_bind_and_touch(void* p, size_t n, int node, bool simulate_refusal) {
+  const size_t page = page_size();
+  PA2A_CHECK_ARG(p != nullptr && n > 0, "numa_bind_and_touch: empty range (p=", p, ", n=", n, ")");
+  PA2A_CHECK_ARG(reinterpret_cast<uintptr_t>(p) % page == 0, "numa_bind_and_touch: address ", p,
+                 " is not aligned to the page size ", page);
+  PA2A_CHECK_ARG(node < 0 || numa_node_exists(node), "numa_bind_and_touch: node=", node,
+                 " does not exist; this machine has ", numa_num_nodes(),
+                 " NUMA node(s) (see /sys/devices/system/node), or pass -1 for unbound");
+
+  NumaBindResult r;
+  bool mbind_ok = false;
+  if (node >= 0) {
+    int err = EPERM;
+    if (!simulate_refusal) {
+      mbind_ok = sys_mbind(p, n, node) == 0;
+      err = errno;
+    }
+    if (!mbind_ok)
+      r.warning = detail::concat("pcie_a2a: mbind(MPOL_BIND, node ", node, ") of ", n,
+                                 " bytes was refused: ", std::strerror(err), " (", errno_name(err),
+                                 ")", refusal_hint(err),
+                                 "; the staging memory is left unbound (first-touch placement "
+                                 "on the allocating thread's node ",
+                                 numa_node_of_current_cpu(), ")");
+  }
+
+  touch_pages(p, n, page);
+
+  auto* base = static_cast<char*>(p);
+  const size_t pages = (n + page - 1) / page;
+  r.node = numa_node_of_address(base);
+  if (!mbind_ok) return r;
+  if (r.node < 0) {
+    r.bound = true;  // the kernel accepted the bind; it only refuses to report placement
+    r.warning = "pcie_a2a: get_mempolicy refused, NUMA placement of staging memory unverified";
+    return r;
+  }
+  const size_t samples = pages < kVerifySamples ? pages : kVerifySamples;
+  size_t wrong = 0;
+  int wrong_node = -1;
+  for (size_t s = 0; s < samples; ++s) {
+    const size_t pg = samples == 1 ? 0 : s * (pages - 1) / (samples - 1);
+    const int got = numa_node_of_address(base + pg * page);
+    if (got != node) {
+      ++wrong;
+      wrong_node = got;
+    }
+  }
+  r.bound = wrong == 0;
+  if (!r.bound)
+    r.warning = detail::concat("pcie_a2a: mbind to node ", node, " succeeded but ", wrong, " of ",
+                               samples, " sampled pages are on node ", wrong_node);
+  return r;
+}
+
+NumaBuffer::NumaBuffer(size_t bytes, int node, bool simulate_refusal)
+    : size_(bytes), requested_node_(node) {
+  PA2A_CHECK_ARG(bytes > 0, "NumaBuffer: bytes must be > 0, got ", bytes);
+  const size_t page = page_size();
+  mapped_ = (bytes + page - 1) / page * page;
+  void* p = mmap(nullptr, mapped_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED)
+    PA2A_THROW(kRuntime, "NumaBuffer: mmap of ", mapped_, " bytes failed: ", std::strerror(errno));
+  data_ = p;
+  try {
+    result_ = numa_bind_and_touch(data_, mapped_, node, simulate_refusal);
+  } catch (...) {
+    release();
+    throw;
+  }
+}
+
+NumaBuffer::~NumaBuffer() {
+  release();
+}
+
+NumaBuffer::NumaBuffer(NumaBuffer&& other) noexcept
+    : data_(std::exchange(other.data_, nullptr)),
+      size_(std::exchange(other.size_, 0)),
+      mapped_(std::exchange(other.mapped_, 0)),
+      requested_node_(other.requested_node_),
+      result_(std::move(other.result_)) {}
+
+NumaBuffer& NumaBuffer::operator=(NumaBuffer&& other) noexcept {
+  if (this != &other) {
+    release();
+    data_ = std::exchange(other.data_, nullptr);
+    size_ = std::exchange(other.size_, 0);
+    mapped_ = std::exchange(other.mapped_, 0);
+    requested_node_ = other.requested_node_;
+    result_ = std::move(other.result_);
+  }
+  return *this;
+}
+
+void NumaBuffer::release() noexcept {
+  if (data_ != nullptr) munmap(data_, mapped_);
+  data_ = nullptr;
+}
+
+}  // namespace pa2a

@@ -1,0 +1,493 @@
+#include "core/shm_transport.h"
+
+#include <fcntl.h>
+#include <sched.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <fstream>
+#include <thread>
+
+#include "core/exception.h"
+
+namespace pa2a {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::string errno_text(int err) { return std::string(std::strerror(err)); }
+
+// A peer that exited is gone or a zombie waiting to be reaped by its parent.
+bool process_alive(int32_t pid) {
+  if (pid <= 0) return true;  // unknown: rely on the deadline
+  if (::kill(pid, 0) != 0 && errno == ESRCH) return false;
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  if (!std::getline(stat, line)) return true;
+  const size_t close = line.rfind(')');
+  if (close == std::string::npos || close + 2 >= line.size()) return true;
+  const char state = line[close + 2];
+  return state != 'Z' && state != 'X';
+}
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+
+}  // namespace
+
+std::string ShmTransport::segment_name(const std::string& prefix, int32_t rank) {
+  return "/" + prefix + ".r" + std::to_string(rank);
+}
+
+bool ShmTransport::unlink_name(const std::string& name) { return ::shm_unlink(name.c_str()) == 0; }
+
+ShmTransport::ShmTransport(std::string prefix, int32_t rank, const WireConfig& config)
+    : prefix_(std::move(prefix)), rank_(rank), config_(config) {
+  const WireConfig& c = config_;
+  PA2A_CHECK_ARG(c.world >= 1 && c.world <= 1024, "world size must be in [1, 1024], got ",
+                 c.world);
+  PA2A_CHECK_ARG(rank >= 0 && rank < c.world, "rank must be in [0, ", c.world, "), got ", rank);
+  PA2A_CHECK_ARG(c.hidden > 0 && c.hidden % 8 == 0,
+                 "hidden must be a positive multiple of 8 (16-byte rows), got ", c.hidden);
+  PA2A_CHECK_ARG(c.payload != Payload::kFP8 || c.hidden % kFp8GroupSize == 0,
+                 "fp8 payload needs hidden to be a multiple of 128, got ", c.hidden);
+  PA2A_CHECK_ARG(c.max_tokens >= 1, "max_tokens_per_rank must be >= 1, got ", c.max_tokens);
+  PA2A_CHECK_ARG(c.num_topk >= 1 && c.num_topk <= 64, "num_topk must be in [1, 64], got ",
+                 c.num_topk);
+  PA2A_CHECK_ARG(c.dtype == DType::kBF16 || c.dtype == DType::kFP16,
+                 "dtype must be bf16 or fp16");
+  layout_ = segment_layout(c);
+  slot_ = dispatch_slot_layout(c);
+  maps_.assign(c.world, nullptr);
+  pids_.assign(c.world, 0);
+  last_bytes_.assign(c.world, 0);
+
+  const std::string name = segment_name(prefix_, rank_);
+  const int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  if (fd < 0)
+    PA2A_THROW(kRuntime, "shm_open(", name, ") failed: ", errno_text(errno));
+  own_linked_ = true;
+  if (::ftruncate(fd, static_cast<off_t>(layout_.total)) != 0) {
+    const int err = errno;
+    ::close(fd);
+    close();
+    PA2A_THROW(kRuntime, "ftruncate(", name, ", ", layout_.total, " bytes) failed: ",
+               errno_text(err), " (is /dev/shm large enough?)");
+  }
+  void* p = ::mmap(nullptr, layout_.total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  const int err = errno;
+  ::close(fd);
+  if (p == MAP_FAILED) {
+    close();
+    PA2A_THROW(kRuntime, "mmap of ", name, " (", layout_.total, " bytes) failed: ",
+               errno_text(err));
+  }
+  maps_[rank_] = p;
+  pids_[rank_] = static_cast<int32_t>(::getpid());
+  SegmentHeader h{};
+  h.magic = kSegmentMagic;
+  h.version = kWireVersion;
+  h.rank = rank_;
+  h.pid = pids_[rank_];
+  h.config = c;
+  std::memcpy(p, &h, sizeof(h));
+}
+
+ShmTransport::~ShmTransport() { close(); }
+
+void ShmTransport::attach_peers() {
+  for (int32_t r = 0; r < config_.world; ++r) {
+    if (maps_[r] != nullptr) continue;
+    const std::string name = segment_name(prefix_, r);
+    const int fd = ::shm_open(name.c_str(), O_RDWR, 0);
+    if (fd < 0)
+      PA2A_THROW(kPeer, "rank ", rank_, " cannot open rank ", r, "'s segment ", name, ": ",
+                 errno_text(errno));
+    struct stat st {};
+    if (::fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) != layout_.total) {
+      ::close(fd);
+      PA2A_THROW(kPeer, "rank ", r, "'s segment ", name, " has ", st.st_size,
+                 " bytes, expected ", layout_.total, ": the ranks disagree on the configuration");
+    }
+    void* p = ::mmap(nullptr, layout_.total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    const int err = errno;
+    ::close(fd);
+    if (p == MAP_FAILED)
+      PA2A_THROW(kRuntime, "mmap of rank ", r, "'s segment failed: ", errno_text(err));
+    maps_[r] = p;
+    SegmentHeader h{};
+    std::memcpy(&h, p, sizeof(h));
+    if (h.magic != kSegmentMagic || h.version != kWireVersion || h.rank != r)
+      PA2A_THROW(kPeer, "rank ", r, "'s segment ", name,
+                 " is not a pcie_a2a segment of this version and rank");
+    pids_[r] = h.pid;
+  }
+}
+
+void ShmTransport::unlink_own() {
+  if (own_linked_) {
+    unlink_name(segment_name(prefix_, rank_));
+    own_linked_ = false;
+  }
+}
+
+void ShmTransport::close() {
+  unlink_own();
+  for (auto& p : maps_) {
+    if (p != nullptr) ::munmap(p, layout_.total);
+    p = nullptr;
+  }
+}
+
+int32_t ShmTransport::peer_pid(int32_t r) const {
+  PA2A_CHECK_ARG(r >= 0 && r < config_.world, "rank out of range: ", r);
+  return pids_[r];
+}
+
+FlagLine* ShmTransport::flag_line(uint8_t* base, int parity, int src) const {
+  return reinterpret_cast<FlagLine*>(base + layout_.flags_off + flag_offset(config_, parity, src));
+}
+
+std::string ShmTransport::describe_peer(int32_t r) const {
+  return "rank " + std::to_string(r) + " (pid " + std::to_string(pids_[r]) + ")";
+}
+
+// ---- dispatch --------------------------------------------------------------------------
+
+void ShmTransport::dispatch_send(uint32_t seq, uint32_t op, int parity, const void* x,
+                                 int32_t num_tokens, const int32_t* topk_ids,
+                                 const float* topk_weights, int32_t topk,
+                                 const Placement& placement, int32_t* send_token,
+                                 int32_t* send_count) {
+  const WireConfig& c = config_;
+  const int32_t W = c.world, M = c.max_tokens, K = c.num_topk, H = c.hidden;
+  PA2A_CHECK_ARG(num_tokens >= 0 && num_tokens <= M, "num_tokens must be in [0, ", M, "], got ",
+                 num_tokens);
+  PA2A_CHECK_ARG(topk >= 0 && topk <= K, "topk must be in [0, ", K, "], got ", topk);
+  PA2A_CHECK_ARG(parity == 0 || parity == 1, "parity must be 0 or 1");
+  std::fill(last_bytes_.begin(), last_bytes_.end(), 0);
+  std::fill(send_count, send_count + W, 0);
+
+  std::vector<int32_t> n_dest(W), local(static_cast<size_t>(W) * K);
+  std::vector<float> weight(static_cast<size_t>(W) * K);
+  const bool fp8 = c.payload == Payload::kFP8;
+  if (fp8) qrow_.resize(static_cast<size_t>(H) + 4 * static_cast<size_t>(H / kFp8GroupSize));
+  const auto* xs = static_cast<const uint16_t*>(x);
+  const size_t row_bytes_in = 2 * static_cast<size_t>(H);
+
+  for (int32_t t = 0; t < num_tokens; ++t) {
+    std::fill(n_dest.begin(), n_dest.end(), 0);
+    const int64_t gtok = global_token_id(rank_, M, t);
+    for (int32_t k = 0; k < topk; ++k) {
+      const int32_t e = topk_ids[static_cast<size_t>(t) * topk + k];
+      if (e < 0) continue;
+      PA2A_CHECK_ARG(e < placement.num_experts, "topk_ids[", t, ", ", k, "] = ", e,
+                     " is not an expert id in [0, ", placement.num_experts, ")");
+      int32_t d = 0, l = 0;
+      select_replica(placement, e, gtok, &d, &l);
+      const size_t at = static_cast<size_t>(d) * K + n_dest[d]++;
+      local[at] = l;
+      weight[at] = topk_weights[static_cast<size_t>(t) * topk + k];
+    }
+    const uint16_t* src_row = xs + static_cast<size_t>(t) * H;
+    const void* payload = src_row;
+    if (fp8) {
+      uint8_t* q = qrow_.data();
+      auto* scales = reinterpret_cast<float*>(q + H);
+      for (int32_t g = 0; g < H / kFp8GroupSize; ++g)
+        scales[g] = quantize_fp8_group(src_row + g * kFp8GroupSize, c.dtype,
+                                       q + static_cast<size_t>(g) * kFp8GroupSize);
+    }
+    for (int32_t d = 0; d < W; ++d) {
+      const int32_t n = n_dest[d];
+      if (n == 0) continue;
+      const int32_t j = send_count[d]++;
+      uint8_t* slot = peer_base(d) + layout_.dispatch_off +
+                      slot_offset(c, parity, rank_, j, layout_.dispatch_slot);
+      const RowHeader h{t, n, rank_, 0};
+      std::memcpy(slot, &h, sizeof(h));
+      auto* ids = reinterpret_cast<int32_t*>(slot + slot_.experts_off);
+      auto* ws = reinterpret_cast<float*>(slot + slot_.weights_off);
+      for (int32_t i = 0; i < K; ++i) {
+        ids[i] = i < n ? local[static_cast<size_t>(d) * K + i] : -1;
+        ws[i] = i < n ? weight[static_cast<size_t>(d) * K + i] : 0.0f;
+      }
+      if (fp8) {
+        std::memcpy(slot + slot_.payload_off, qrow_.data(), static_cast<size_t>(H));
+        std::memcpy(slot + slot_.scales_off, qrow_.data() + H,
+                    4 * static_cast<size_t>(H / kFp8GroupSize));
+      } else {
+        std::memcpy(slot + slot_.payload_off, payload, row_bytes_in);
+      }
+      send_token[static_cast<size_t>(d) * M + j] = t;
+      last_bytes_[d] += layout_.dispatch_slot;
+    }
+  }
+  std::vector<uint32_t> counts(send_count, send_count + W);
+  publish(seq, op, counts);
+}
+
+void ShmTransport::publish(uint32_t seq, uint32_t op, const std::vector<uint32_t>& counts) {
+  // Peers first, starting after our own rank so that ranks do not all hit rank 0 at once;
+  // our own flag last.
+  const int32_t W = config_.world;
+  for (int32_t i = 1; i <= W; ++i) {
+    const int32_t d = (rank_ + i) % W;
+    FlagLine* f = flag_line(peer_base(d), static_cast<int>(seq & 1u), rank_);
+    __atomic_store_n(&f->sig, op, __ATOMIC_RELAXED);
+    __atomic_store_n(&f->word, pack_flag(seq, counts[d]), __ATOMIC_RELEASE);
+    last_bytes_[d] += 16;
+  }
+}
+
+void ShmTransport::abort(uint32_t seq, uint32_t op) {
+  std::fill(last_bytes_.begin(), last_bytes_.end(), 0);
+  publish(seq, op, std::vector<uint32_t>(config_.world, kAbortCount));
+}
+
+std::vector<int32_t> ShmTransport::wait(uint32_t seq, uint32_t op, double timeout_s) {
+  const int32_t W = config_.world;
+  std::vector<int32_t> counts(W, -1);
+  int32_t remaining = W;
+  uint8_t* own = peer_base(rank_);
+  const auto start = Clock::now();
+  const auto deadline = start + std::chrono::duration_cast<Clock::duration>(
+                                    std::chrono::duration<double>(timeout_s));
+  auto next_liveness = start + std::chrono::milliseconds(50);
+  int64_t sleep_us = 1;
+  for (;;) {
+    for (int32_t r = 0; r < W; ++r) {
+      if (counts[r] >= 0) continue;
+      FlagLine* f = flag_line(own, static_cast<int>(seq & 1u), r);
+      const uint64_t w = __atomic_load_n(&f->word, __ATOMIC_ACQUIRE);
+      if (flag_seq(w) != seq) continue;
+      const uint32_t sig = __atomic_load_n(&f->sig, __ATOMIC_RELAXED);
+      if (flag_count(w) == kAbortCount)
+        PA2A_THROW(kAborted, "rank ", r, " aborted ", op_name(op), " (call ", seq,
+                   ") because it raised an error; see that rank's traceback");
+      if (sig != op)
+        PA2A_THROW(kPeer, "rank ", r, " is in ", op_name(sig), " while rank ", rank_, " is in ",
+                   op_name(op), " (call ", seq,
+                   "): every rank must make the same sequence of dispatch/combine calls");
+      const uint32_t n = flag_count(w);
+      if (n > static_cast<uint32_t>(config_.max_tokens))
+        PA2A_THROW(kPeer, "rank ", r, " announced ", n, " rows for call ", seq,
+                   ", more than max_tokens_per_rank = ", config_.max_tokens);
+      counts[r] = static_cast<int32_t>(n);
+      --remaining;
+    }
+    if (remaining == 0) return counts;
+
+    const auto now = Clock::now();
+    if (now >= deadline || now >= next_liveness) {
+      std::string missing;
+      for (int32_t r = 0; r < W; ++r) {
+        if (counts[r] >= 0) continue;
+        if (!process_alive(pids_[r]))
+          PA2A_THROW(kPeer, describe_peer(r), " exited before sending ", op_name(op), " (call ",
+                     seq, ") to rank ", rank_);
+        missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+      }
+      if (now >= deadline)
+        PA2A_THROW(kTimeout, "rank ", rank_, " timed out after ", timeout_s, " s in ",
+                   op_name(op), " (call ", seq, ") waiting for rank(s) ", missing,
+                   "; they are alive but did not send: a rank is stuck, slower than the timeout, "
+                   "or skipped a call");
+      next_liveness = now + std::chrono::milliseconds(50);
+    }
+    // Spin for a few microseconds, then yield the core (ranks may outnumber cores), then
+    // sleep with exponential backoff capped at 200 us.
+    const auto waited = now - start;
+    if (waited < std::chrono::microseconds(20)) {
+      for (int i = 0; i < 64; ++i) cpu_relax();
+    } else if (waited < std::chrono::milliseconds(2)) {
+      sched_yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(sleep_us));
+      sleep_us = sleep_us < 200 ? sleep_us * 2 : 200;
+    }
+  }
+}
+
+void ShmTransport::dequant_row(const uint8_t* slot, const SlotLayout& sl, void* dst) const {
+  const int32_t H = config_.hidden;
+  auto* out = static_cast<uint16_t*>(dst);
+  if (config_.payload != Payload::kFP8) {
+    std::memcpy(out, slot + sl.payload_off, 2 * static_cast<size_t>(H));
+    return;
+  }
+  const uint8_t* q = slot + sl.payload_off;
+  const auto* scales = reinterpret_cast<const float*>(slot + sl.scales_off);
+  for (int32_t i = 0; i < H; ++i)
+    out[i] = float_to_half_bits(fp8_e4m3_to_float(q[i]) * scales[i / kFp8GroupSize],
+                                config_.dtype);
+}
+
+void ShmTransport::unpack_rows(int parity, const int32_t* counts, const int64_t* row_base,
+                               void* x_out, uint8_t* fp8_out, float* scales_out,
+                               int32_t* src_rank_out, int32_t* src_token_out,
+                               int32_t* topk_ids_out, float* topk_weights_out,
+                               int32_t num_local_experts, int32_t* expert_count) {
+  const WireConfig& c = config_;
+  const int32_t K = c.num_topk, H = c.hidden, G = H / kFp8GroupSize;
+  const uint8_t* region = peer_base(rank_) + layout_.dispatch_off;
+  for (int32_t s = 0; s < c.world; ++s) {
+    for (int32_t j = 0; j < counts[s]; ++j) {
+      const uint8_t* slot = region + slot_offset(c, parity, s, j, layout_.dispatch_slot);
+      const size_t i = static_cast<size_t>(row_base[s] + j);
+      RowHeader h{};
+      std::memcpy(&h, slot, sizeof(h));
+      PA2A_HOST_ASSERT(h.src_rank == s);
+      src_rank_out[i] = s;
+      src_token_out[i] = h.src_token;
+      std::memcpy(topk_ids_out + i * K, slot + slot_.experts_off, 4 * static_cast<size_t>(K));
+      std::memcpy(topk_weights_out + i * K, slot + slot_.weights_off, 4 * static_cast<size_t>(K));
+      for (int32_t k = 0; k < h.num_experts; ++k) {
+        const int32_t e = topk_ids_out[i * K + k];
+        PA2A_HOST_ASSERT(e >= 0 && e < num_local_experts);
+        ++expert_count[e];
+      }
+      if (fp8_out != nullptr) {
+        std::memcpy(fp8_out + i * H, slot + slot_.payload_off, static_cast<size_t>(H));
+        std::memcpy(scales_out + i * G, slot + slot_.scales_off, 4 * static_cast<size_t>(G));
+      } else {
+        dequant_row(slot, slot_, static_cast<uint16_t*>(x_out) + i * H);
+      }
+    }
+  }
+}
+
+void ShmTransport::unpack_expert_major(int parity, const int32_t* counts,
+                                       int32_t num_local_experts, void* x_out, uint8_t* fp8_out,
+                                       float* scales_out, int32_t* expert_count, int32_t* src_info,
+                                       int64_t* layout_range, int32_t* expert_pos,
+                                       int32_t* row_experts, float* row_weights) {
+  const WireConfig& c = config_;
+  const int32_t W = c.world, M = c.max_tokens, K = c.num_topk, H = c.hidden;
+  const int32_t G = H / kFp8GroupSize;
+  const size_t cap = static_cast<size_t>(W) * M;
+  const uint8_t* region = peer_base(rank_) + layout_.dispatch_off;
+  std::fill(expert_count, expert_count + num_local_experts, 0);
+  std::vector<int32_t> begin(num_local_experts);
+  for (int32_t s = 0; s < W; ++s) {
+    std::copy(expert_count, expert_count + num_local_experts, begin.begin());
+    for (int32_t j = 0; j < counts[s]; ++j) {
+      const uint8_t* slot = region + slot_offset(c, parity, s, j, layout_.dispatch_slot);
+      const size_t row = static_cast<size_t>(s) * M + j;
+      RowHeader h{};
+      std::memcpy(&h, slot, sizeof(h));
+      const auto* ids = reinterpret_cast<const int32_t*>(slot + slot_.experts_off);
+      const auto* ws = reinterpret_cast<const float*>(slot + slot_.weights_off);
+      for (int32_t k = 0; k < K; ++k) {
+        const int32_t e = k < h.num_experts ? ids[k] : -1;
+        row_experts[row * K + k] = e;
+        row_weights[row * K + k] = e >= 0 ? ws[k] : 0.0f;
+        expert_pos[row * K + k] = -1;
+        if (e < 0) continue;
+        PA2A_HOST_ASSERT(e < num_local_experts);
+        const int32_t pos = expert_count[e]++;
+        expert_pos[row * K + k] = pos;
+        const size_t dst = static_cast<size_t>(e) * cap + pos;
+        src_info[dst] = h.src_token;
+        if (fp8_out != nullptr) {
+          std::memcpy(fp8_out + dst * H, slot + slot_.payload_off, static_cast<size_t>(H));
+          std::memcpy(scales_out + dst * G, slot + slot_.scales_off, 4 * static_cast<size_t>(G));
+        } else {
+          dequant_row(slot, slot_, static_cast<uint16_t*>(x_out) + dst * H);
+        }
+      }
+    }
+    for (int32_t e = 0; e < num_local_experts; ++e)
+      layout_range[static_cast<size_t>(e) * W + s] =
+          (static_cast<int64_t>(begin[e]) << 32) | (expert_count[e] - begin[e]);
+  }
+}
+
+// ---- combine ---------------------------------------------------------------------------
+
+void ShmTransport::combine_send(uint32_t seq, uint32_t op, int parity, const void* y,
+                                const int32_t* counts, const int64_t* row_base) {
+  const WireConfig& c = config_;
+  const size_t row_bytes = 2 * static_cast<size_t>(c.hidden);
+  std::fill(last_bytes_.begin(), last_bytes_.end(), 0);
+  std::vector<uint32_t> sent(c.world);
+  for (int32_t i = 1; i <= c.world; ++i) {
+    const int32_t s = (rank_ + i) % c.world;
+    PA2A_CHECK_ARG(counts[s] >= 0 && counts[s] <= c.max_tokens, "row count for rank ", s,
+                   " out of range: ", counts[s]);
+    uint8_t* region = peer_base(s) + layout_.combine_off;
+    for (int32_t j = 0; j < counts[s]; ++j) {
+      const auto* src = static_cast<const uint8_t*>(y) + (row_base[s] + j) * row_bytes;
+      std::memcpy(region + slot_offset(c, parity, rank_, j, layout_.combine_slot), src,
+                  row_bytes);
+    }
+    sent[s] = static_cast<uint32_t>(counts[s]);
+    last_bytes_[s] += static_cast<uint64_t>(counts[s]) * layout_.combine_slot;
+  }
+  publish(seq, op, sent);
+}
+
+void ShmTransport::reduce_expert_major(const void* y, const int32_t* counts,
+                                       const int32_t* expert_pos, const int32_t* row_experts,
+                                       const float* row_weights, int32_t num_local_experts,
+                                       void* rows_out) {
+  const WireConfig& c = config_;
+  const int32_t M = c.max_tokens, K = c.num_topk, H = c.hidden;
+  const size_t cap = static_cast<size_t>(c.world) * M;
+  std::vector<float> acc(H);
+  for (int32_t s = 0; s < c.world; ++s) {
+    for (int32_t j = 0; j < counts[s]; ++j) {
+      const size_t row = static_cast<size_t>(s) * M + j;
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int32_t k = 0; k < K; ++k) {
+        const int32_t e = row_experts[row * K + k];
+        if (e < 0) continue;
+        PA2A_HOST_ASSERT(e < num_local_experts);
+        const size_t src = (static_cast<size_t>(e) * cap + expert_pos[row * K + k]) * H;
+        const float w = row_weights[row * K + k];
+        for (int32_t i = 0; i < H; ++i) acc[i] += w * load_as_float(y, src + i, c.dtype);
+      }
+      auto* out = static_cast<uint16_t*>(rows_out) + row * H;
+      for (int32_t i = 0; i < H; ++i) out[i] = float_to_half_bits(acc[i], c.dtype);
+    }
+  }
+}
+
+void ShmTransport::combine_recv(uint32_t seq, uint32_t op, int parity, double timeout_s,
+                                const int32_t* send_token, const int32_t* send_count,
+                                int32_t num_tokens, void* out) {
+  const WireConfig& c = config_;
+  const int32_t W = c.world, M = c.max_tokens, H = c.hidden;
+  const std::vector<int32_t> counts = wait(seq, op, timeout_s);
+  for (int32_t d = 0; d < W; ++d)
+    if (counts[d] != send_count[d])
+      PA2A_THROW(kPeer, "rank ", d, " returned ", counts[d], " rows in ", op_name(op), " (call ",
+                 seq, ") but rank ", rank_, " dispatched ", send_count[d],
+                 " rows to it: every rank must combine the handles of the same dispatch");
+  acc_.assign(static_cast<size_t>(num_tokens) * H, 0.0f);
+  const uint8_t* region = peer_base(rank_) + layout_.combine_off;
+  for (int32_t d = 0; d < W; ++d) {
+    for (int32_t j = 0; j < send_count[d]; ++j) {
+      const int32_t t = send_token[static_cast<size_t>(d) * M + j];
+      PA2A_HOST_ASSERT(t >= 0 && t < num_tokens);
+      const void* row = region + slot_offset(c, parity, d, j, layout_.combine_slot);
+      float* a = acc_.data() + static_cast<size_t>(t) * H;
+      for (int32_t i = 0; i < H; ++i) a[i] += load_as_float(row, static_cast<size_t>(i), c.dtype);
+    }
+  }
+  auto* o = static_cast<uint16_t*>(out);
+  for (size_t i = 0; i < acc_.size(); ++i) o[i] = float_to_half_bits(acc_[i], c.dtype);
+}
+
+}  // namespace pa2a

@@ -1,0 +1,171 @@
+// Wire format of dispatch/combine: receive regions, slots and flags.
+//
+// Hardware reason. Across PCIe a posted write is cheap and a read is a non-posted round
+// trip (some root complexes cannot even route peer reads), and peer atomics are a read
+// followed by a write. So every byte is *pushed* by its producer into the consumer's
+// memory, consumers poll only their own memory, and no location has two writers.
+//
+// Regions. Each rank owns one segment (host shared memory for the CPU transport, device
+// or pinned host memory for the CUDA transports) laid out as
+//   [SegmentHeader 4 KiB][flags: 2 parities x world x FlagLine]
+//   [dispatch slots: 2 parities x world sources x max_tokens slots x dispatch_slot_bytes]
+//   [combine slots:  2 parities x world sources x max_tokens slots x combine_slot_bytes]
+// Source s writes only the [*, s, *] part of a receiver's slots and the flag line [*, s].
+// Slots are fixed size and 16-byte aligned so a warp can store them with 16-byte vectors.
+//
+// Calls and flags. Every rank makes the same sequence of calls; call number `seq`
+// (1, 2, ..., shared by dispatch and combine) is a complete exchange: every rank sends a
+// flag to every rank (itself included), even with zero rows. The flag of (source s ->
+// receiver r) for call seq lives in r's memory at [seq % 2][s] and holds the 64-bit word
+// (seq << 32 | row count), stored *last* by s with release semantics after its rows (and
+// the op code in `sig`); r acquires it by polling for the exact value seq. Flags carry
+// the call number, so they are never reset. A count of kAbortCount tells the receiver
+// that the sender raised before sending (bad input): it raises too instead of waiting.
+//
+// Reuse invariant. Each rank finishes *receiving* call n (reads every row it needs out
+// of its region) before it *sends* call n + 1. Hence a sender at call n + 2 has received
+// call n + 1 from every receiver, each of which had finished call n before sending it:
+// the flag line [n % 2] and the slots of parity n % 2 (dispatch and combine each count
+// their own calls for parity) are free again when they are overwritten. Two parities are
+// therefore enough, and a rank may run at most one call ahead of the slowest peer.
+// tests/test_protocol.py::test_reuse_invariant_breaks_without_parity drives a sender two
+// calls ahead with a single parity and shows the receiver reading the wrong rows.
+#pragma once
+
+#include <cstdint>
+
+#include "core/host_device.h"
+#include "core/numeric.h"
+
+namespace pa2a {
+
+constexpr uint32_t kSegmentMagic = 0x50413241u;  // "PA2A"
+constexpr uint32_t kWireVersion = 1;
+constexpr uint32_t kAbortCount = 0xffffffffu;
+constexpr size_t kSegmentHeaderBytes = 4096;
+constexpr size_t kFlagLineBytes = 64;  // one writer per cache line: no false sharing
+constexpr size_t kSlotAlign = 16;
+
+// What a call is; a receiver checks that its peers are in the same call.
+enum class OpCode : uint32_t {
+  kNone = 0,
+  kDispatch = 1,
+  kCombine = 2,
+  kLowLatencyDispatch = 3,
+  kLowLatencyCombine = 4,
+};
+
+inline const char* op_name(uint32_t op) {
+  switch (op) {
+    case 1:
+      return "dispatch";
+    case 2:
+      return "combine";
+    case 3:
+      return "low_latency_dispatch";
+    case 4:
+      return "low_latency_combine";
+    default:
+      return "unknown call";
+  }
+}
+
+struct FlagLine {
+  uint64_t word;  // (seq << 32) | count, release-stored last
+  uint32_t sig;   // OpCode of the sender's call, written before `word`
+  uint32_t reserved;
+  uint8_t pad[kFlagLineBytes - 16];
+};
+static_assert(sizeof(FlagLine) == kFlagLineBytes, "flag line is one cache line");
+
+PA2A_HD uint64_t pack_flag(uint32_t seq, uint32_t count) {
+  return (static_cast<uint64_t>(seq) << 32) | count;
+}
+PA2A_HD uint32_t flag_seq(uint64_t w) { return static_cast<uint32_t>(w >> 32); }
+PA2A_HD uint32_t flag_count(uint64_t w) { return static_cast<uint32_t>(w & 0xffffffffu); }
+
+// Fixed at Buffer construction and identical on every rank (checked at bootstrap).
+struct WireConfig {
+  int32_t world = 0;
+  int32_t hidden = 0;
+  int32_t max_tokens = 0;  // per source rank
+  int32_t num_topk = 0;    // expert slots per row
+  Payload payload = Payload::kBF16;
+  DType dtype = DType::kBF16;  // of x and of combine rows
+};
+
+// Header of a dispatch row. Followed by int32 local_expert[num_topk] (-1 padded),
+// float weight[num_topk], then the payload: hidden 16-bit values, or hidden fp8 bytes
+// followed by hidden / 128 fp32 scales. Each part starts 16-byte aligned.
+struct RowHeader {
+  int32_t src_token;
+  int32_t num_experts;  // valid entries of local_expert
+  int32_t src_rank;
+  int32_t reserved;
+};
+static_assert(sizeof(RowHeader) == 16, "row header is one 16-byte vector");
+
+struct SlotLayout {
+  size_t experts_off, weights_off, payload_off, scales_off, payload_bytes, bytes;
+};
+
+PA2A_HD SlotLayout dispatch_slot_layout(const WireConfig& c) {
+  SlotLayout s{};
+  s.experts_off = sizeof(RowHeader);
+  s.weights_off = align_up(s.experts_off + 4 * static_cast<size_t>(c.num_topk), kSlotAlign);
+  s.payload_off = align_up(s.weights_off + 4 * static_cast<size_t>(c.num_topk), kSlotAlign);
+  const size_t h = static_cast<size_t>(c.hidden);
+  if (c.payload == Payload::kFP8) {
+    s.scales_off = align_up(s.payload_off + h, kSlotAlign);
+    s.payload_bytes = h + 4 * (h / kFp8GroupSize);
+    s.bytes = align_up(s.scales_off + 4 * (h / kFp8GroupSize), kSlotAlign);
+  } else {
+    s.scales_off = 0;
+    s.payload_bytes = 2 * h;
+    s.bytes = align_up(s.payload_off + 2 * h, kSlotAlign);
+  }
+  return s;
+}
+
+// A combine row is the hidden vector in the dtype of x, nothing else: the source knows
+// which token each of its slots was (it wrote them).
+PA2A_HD size_t combine_slot_bytes(const WireConfig& c) {
+  return align_up(2 * static_cast<size_t>(c.hidden), kSlotAlign);
+}
+
+struct SegmentLayout {
+  size_t flags_off, dispatch_off, combine_off, total;
+  size_t dispatch_slot, combine_slot;
+};
+
+PA2A_HD SegmentLayout segment_layout(const WireConfig& c) {
+  SegmentLayout l{};
+  const size_t w = static_cast<size_t>(c.world), m = static_cast<size_t>(c.max_tokens);
+  l.dispatch_slot = dispatch_slot_layout(c).bytes;
+  l.combine_slot = combine_slot_bytes(c);
+  l.flags_off = kSegmentHeaderBytes;
+  l.dispatch_off = align_up(l.flags_off + 2 * w * kFlagLineBytes, 4096);
+  l.combine_off = align_up(l.dispatch_off + 2 * w * m * l.dispatch_slot, 4096);
+  l.total = align_up(l.combine_off + 2 * w * m * l.combine_slot, 4096);
+  return l;
+}
+
+// Byte offset of slot `slot` written by `src` in parity `parity` of a region.
+PA2A_HD size_t slot_offset(const WireConfig& c, int parity, int src, int slot,
+                           size_t slot_bytes) {
+  return ((static_cast<size_t>(parity) * c.world + src) * c.max_tokens + slot) * slot_bytes;
+}
+
+PA2A_HD size_t flag_offset(const WireConfig& c, int parity, int src) {
+  return (static_cast<size_t>(parity) * c.world + src) * kFlagLineBytes;
+}
+
+struct SegmentHeader {
+  uint32_t magic;
+  uint32_t version;
+  int32_t rank;
+  int32_t pid;
+  WireConfig config;
+};
+
+}  // namespace pa2a

@@ -1,0 +1,609 @@
+"""``Buffer``: the expert-parallel communicator (dispatch and combine).
+
+Mirrors DeepEP's Buffer where the semantics overlap (``get_dispatch_layout``, normal
+``dispatch``/``combine``, ``low_latency_dispatch``/``low_latency_combine`` with the
+expert-major layout), with two PCIe-driven differences:
+
+* a token travels once per destination *rank*, carrying its local expert ids and weights
+  there (``topk_ids``/``topk_weights`` of the received rows are *local* expert indices);
+* combine takes one row per received row, already weighted and summed over that rank's
+  experts (pre-reduction on the expert's rank); the source sums the partials in fp32.
+
+The process group is used only to bootstrap (exchange segment names and check that every
+rank passed the same arguments); data moves through the transport.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pcie_a2a import _native, env
+from pcie_a2a.placement import Placement
+
+_DTYPES = {torch.bfloat16: 0, torch.float16: 1}
+_PAYLOADS = {"bf16": 0, "fp16": 1, "fp8": 2}
+_OP_DISPATCH, _OP_COMBINE, _OP_LL_DISPATCH, _OP_LL_COMBINE = 1, 2, 3, 4
+_LAYOUTS = ("rows", "expert_major")
+
+
+@dataclass
+class DispatchHandle:
+    """What combine needs from a dispatch. Treat as opaque."""
+
+    buffer_id: int
+    mode: str  # "normal" | "low_latency"
+    layout: str  # "rows" | "expert_major"
+    num_tokens: int
+    send_token: torch.Tensor  # [world * max_tokens] int32: token sent in slot j to rank d
+    send_count: torch.Tensor  # [world] int32
+    recv_count: torch.Tensor  # [world] int32: rows received from each source
+    row_base: torch.Tensor  # [world] int64: first output row of each source
+    expert_pos: torch.Tensor | None = None  # expert_major: [world * max_tokens, num_topk]
+    row_experts: torch.Tensor | None = None
+    row_weights: torch.Tensor | None = None
+
+
+@dataclass
+class DispatchResult:
+    """Rows received by this rank.
+
+    Normal mode (``dispatch``): ``x [R, H]`` compacted, rows grouped by source rank.
+    Low-latency ``rows`` layout: ``x [world, max_tokens, H]``; rows past
+    ``recv_count[s]`` are unspecified (their ``topk_ids`` are -1).
+    Low-latency ``expert_major``: ``x [E_local, world * max_tokens, H]`` with
+    ``tokens_per_expert`` rows valid per expert, ``src_info`` and ``layout_range`` as in
+    DeepEP's low-latency layout; ``src_rank``/``src_token``/``topk_*`` describe rows.
+    """
+
+    x: torch.Tensor
+    x_scales: torch.Tensor | None  # fp32 [..., H/128] when the fp8 payload is returned raw
+    src_rank: torch.Tensor | None  # int32
+    src_token: torch.Tensor | None  # int32
+    topk_ids: torch.Tensor | None  # int32, local expert ids, -1 padded
+    topk_weights: torch.Tensor | None  # fp32, 0 padded
+    recv_count: torch.Tensor  # [world] int32 rows from each source rank
+    tokens_per_expert: torch.Tensor  # [E_local] int32
+    tokens_per_expert_list: list[int]
+    handle: DispatchHandle
+    src_info: torch.Tensor | None = None  # expert_major: [E_local, cap] int32 source token
+    layout_range: torch.Tensor | None = None  # expert_major: [E_local, world] int64
+
+
+@dataclass
+class _Stats:
+    last: list[int]
+    total: list[int]
+    calls: int = 0
+
+
+def _fail(kind: type[Exception], arg: str, got: Any, allowed: str) -> Exception:
+    return kind(f"{arg}: got {got}; allowed: {allowed}")
+
+
+class Buffer:
+    """Dispatch/combine communicator for one expert-parallel group.
+
+    Args:
+        group: torch.distributed process group (bootstrap only). None: the default group.
+        num_experts: global number of experts.
+        hidden: hidden size H of a token.
+        max_tokens_per_rank: most tokens a rank passes to one call (sizes the regions).
+        dtype: dtype of x and of combine rows (bfloat16 or float16).
+        payload: ``"bf16"``/``"fp16"`` (the dtype of x) or ``"fp8"`` (e4m3 plus one fp32
+            scale per 128 channels, quantised by the sender).
+        placement: a :class:`Placement`, or a list giving each expert's ``(rank, local)``
+            (or a list of them for redundant copies). Default: contiguous blocks.
+        backend: ``"auto"`` (``PCIE_A2A_BACKEND`` or the best available), ``"cpu"``.
+        timeout_s: per-call deadline; a peer that does not arrive raises PeerTimeoutError.
+        num_topk: largest top-k a call may pass (expert slots per row on the wire).
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        num_experts: int,
+        hidden: int,
+        max_tokens_per_rank: int,
+        *,
+        dtype: torch.dtype = torch.bfloat16,
+        payload: str = "bf16",
+        placement: Placement | list | None = None,
+        backend: str = "auto",
+        timeout_s: float = 30.0,
+        num_topk: int = 8,
+    ):
+        self._transport = None
+        self._closed = True
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("Buffer needs an initialised torch.distributed process group")
+        group = group if group is not None else dist.group.WORLD
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        for name, value in (("num_experts", num_experts), ("hidden", hidden),
+                            ("max_tokens_per_rank", max_tokens_per_rank), ("num_topk", num_topk)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise _fail(ValueError, name, repr(value), "a positive int")
+        if dtype not in _DTYPES:
+            raise _fail(TypeError, "dtype", dtype, "torch.bfloat16, torch.float16")
+        if payload not in _PAYLOADS:
+            raise _fail(ValueError, "payload", repr(payload), "'bf16', 'fp16', 'fp8'")
+        if payload in ("bf16", "fp16") and payload != {torch.bfloat16: "bf16",
+                                                       torch.float16: "fp16"}[dtype]:
+            raise _fail(ValueError, "payload", repr(payload),
+                        f"'fp8' or the dtype of x ({'bf16' if dtype == torch.bfloat16 else 'fp16'})")
+        if hidden % 8:
+            raise _fail(ValueError, "hidden", hidden, "a multiple of 8 (16-byte rows)")
+        if payload == "fp8" and hidden % 128:
+            raise _fail(ValueError, "hidden", hidden, "a multiple of 128 with payload='fp8'")
+        if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
+            raise _fail(ValueError, "timeout_s", repr(timeout_s), "a positive number of seconds")
+        if placement is None:
+            placement = Placement.contiguous(num_experts, self.world)
+        elif not isinstance(placement, Placement):
+            placement = Placement(placement, self.world)
+        if placement.num_experts != num_experts or placement.world != self.world:
+            raise _fail(ValueError, "placement",
+                        f"{placement.num_experts} experts on {placement.world} ranks",
+                        f"{num_experts} experts on {self.world} ranks")
+        self.backend = self._choose_backend(backend)
+        self.num_experts = num_experts
+        self.hidden = hidden
+        self.max_tokens_per_rank = max_tokens_per_rank
+        self.dtype = dtype
+        self.payload = payload
+        self.placement = placement
+        self.timeout_s = float(timeout_s)
+        self.num_topk = num_topk
+        self.num_local_experts = placement.num_local_experts(self.rank)
+        self._seq = 0
+        self._dispatch_calls = 0
+        self._combine_calls = 0
+        self._failed: str | None = None
+        self._stats = _Stats([0] * self.world, [0] * self.world)
+        self._bootstrap()
+
+    # ---- construction ------------------------------------------------------------------
+    @staticmethod
+    def _choose_backend(backend: str) -> str:
+        if backend not in ("auto", "cpu", "cuda"):
+            raise _fail(ValueError, "backend", repr(backend), "'auto', 'cpu', 'cuda'")
+        if backend == "auto":
+            backend = env.backend() or "cpu"
+        if backend == "cuda":
+            raise ValueError(
+                "backend='cuda': the CUDA transport is not part of this release yet "
+                f"(cuda_available()={_native.cuda_available()}); use backend='cpu'"
+            )
+        return backend
+
+    def _config(self) -> dict:
+        return {
+            "num_experts": self.num_experts,
+            "hidden": self.hidden,
+            "max_tokens_per_rank": self.max_tokens_per_rank,
+            "dtype": str(self.dtype),
+            "payload": self.payload,
+            "num_topk": self.num_topk,
+            "placement": self.placement.replicas,
+            "backend": self.backend,
+            "wire_version": _native.transport().WIRE_VERSION,
+        }
+
+    def _gather(self, obj: Any) -> list:
+        out: list = [None] * self.world
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def _bootstrap(self) -> None:
+        native = _native.transport()
+        uid = f"{os.getpid()}_{secrets.token_hex(6)}"
+        gathered = self._gather((self._config(), uid))
+        for key, mine in gathered[0][0].items():
+            values = [g[0][key] for g in gathered]
+            if any(v != mine for v in values):
+                shown = values if key != "placement" else "(differs)"
+                raise ValueError(
+                    f"Buffer argument {key!r} differs between ranks: {shown}; "
+                    "every rank must pass the same value"
+                )
+        prefix = f"pcie_a2a.{gathered[0][1]}"
+        names = [native.ShmTransport.segment_name(prefix, r) for r in range(self.world)]
+        self._finalizer = weakref.finalize(self, _release, None, names)
+        code = {"bf16": 0, "fp16": 1, "fp8": 2}[self.payload]
+        transport, error = None, None
+        try:
+            transport = native.ShmTransport(prefix, self.rank, self.world, self.hidden,
+                                            self.max_tokens_per_rank, self.num_topk, code,
+                                            _DTYPES[self.dtype])
+        except Exception as exc:  # reported to every rank below
+            error = f"rank {self.rank}: {exc}"
+        self._finalizer.detach()
+        self._finalizer = weakref.finalize(self, _release, transport, names)
+        self._check_all(error, "creating shared memory")
+        try:
+            transport.attach_peers()
+        except Exception as exc:
+            error = f"rank {self.rank}: {exc}"
+        self._check_all(error, "attaching peers")
+        transport.unlink_own()  # everyone has mapped it: the name is no longer needed
+        self._transport = transport
+        self._closed = False
+
+    def _check_all(self, error: str | None, what: str) -> None:
+        errors = [e for e in self._gather(error) if e]
+        if errors:
+            self._finalizer()
+            raise RuntimeError(f"Buffer bootstrap failed while {what}: " + "; ".join(errors))
+
+    # ---- lifecycle ---------------------------------------------------------------------
+    def close(self) -> None:
+        """Releases the shared memory. Safe to call twice; later calls raise."""
+        if not self._closed:
+            self._closed = True
+            self._finalizer()
+            self._transport = None
+
+    def __enter__(self) -> Buffer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise RuntimeError("this Buffer is closed")
+        if self._failed is not None:
+            raise RuntimeError(
+                f"this Buffer failed earlier and cannot be used: {self._failed}; "
+                "close it and create a new one on every rank"
+            )
+
+    # ---- stats -------------------------------------------------------------------------
+    def stats(self) -> dict:
+        """Bytes this rank wrote into each rank's memory, in the last call and in total.
+
+        Entry ``[self.rank]`` is the local copy; ``*_wire_bytes`` exclude it (bytes that
+        cross a link).
+        """
+        s = self._stats
+        me = self.rank
+        return {
+            "calls": s.calls,
+            "last_bytes_per_rank": list(s.last),
+            "total_bytes_per_rank": list(s.total),
+            "last_wire_bytes": sum(b for r, b in enumerate(s.last) if r != me),
+            "total_wire_bytes": sum(b for r, b in enumerate(s.total) if r != me),
+        }
+
+    def _record(self) -> None:
+        last = list(self._transport.last_bytes())
+        self._stats.last = last
+        self._stats.total = [a + b for a, b in zip(self._stats.total, last)]
+        self._stats.calls += 1
+
+    # ---- layout ------------------------------------------------------------------------
+    def get_dispatch_layout(
+        self, topk_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(num_tokens_per_rank [world] int32, num_tokens_per_expert [E] int32,
+        is_token_in_rank [T, world] bool), as in DeepEP. Local: no communication."""
+        self._check_usable()
+        ids = self._check_topk_ids(topk_ids, None)
+        t = ids.shape[0]
+        per_rank = torch.empty(self.world, dtype=torch.int32)
+        per_expert = torch.empty(self.num_experts, dtype=torch.int32)
+        in_rank = torch.empty(t, self.world, dtype=torch.uint8)
+        _native.transport().dispatch_layout(
+            ids.data_ptr(), t, ids.shape[1], self._placement_table(), self.world, self.rank,
+            self.max_tokens_per_rank, per_rank.data_ptr(), per_expert.data_ptr(),
+            in_rank.data_ptr())
+        return per_rank, per_expert, in_rank.bool()
+
+    def _placement_table(self):
+        if not hasattr(self, "_placement_native"):
+            self._placement_native = _native.transport().Placement(*self.placement.csr())
+        return self._placement_native
+
+    # ---- validation --------------------------------------------------------------------
+    def _check_tensor(self, t: Any, name: str) -> torch.Tensor:
+        if not isinstance(t, torch.Tensor):
+            raise _fail(TypeError, name, type(t).__name__, "a torch.Tensor")
+        if t.device.type != "cpu":
+            raise _fail(ValueError, f"{name}.device", t.device,
+                        f"cpu (this Buffer uses the {self.backend} backend)")
+        if not t.is_contiguous():
+            raise _fail(ValueError, name, f"a non-contiguous tensor with strides {t.stride()}",
+                        "a contiguous tensor (call .contiguous())")
+        return t
+
+    def _check_x(self, x: Any) -> torch.Tensor:
+        x = self._check_tensor(x, "x")
+        if x.dim() != 2 or x.shape[1] != self.hidden:
+            raise _fail(ValueError, "x.shape", tuple(x.shape), f"[num_tokens, {self.hidden}]")
+        if x.dtype != self.dtype:
+            raise _fail(TypeError, "x.dtype", x.dtype, f"{self.dtype} (the Buffer's dtype)")
+        if x.shape[0] > self.max_tokens_per_rank:
+            raise _fail(ValueError, "x.shape[0] (num_tokens)", x.shape[0],
+                        f"at most max_tokens_per_rank={self.max_tokens_per_rank}")
+        return x
+
+    def _check_topk_ids(self, topk_ids: Any, num_tokens: int | None) -> torch.Tensor:
+        ids = self._check_tensor(topk_ids, "topk_ids")
+        if ids.dtype not in (torch.int32, torch.int64):
+            raise _fail(TypeError, "topk_ids.dtype", ids.dtype, "torch.int64 or torch.int32")
+        if ids.dim() != 2 or (num_tokens is not None and ids.shape[0] != num_tokens):
+            raise _fail(ValueError, "topk_ids.shape", tuple(ids.shape),
+                        f"[{'num_tokens' if num_tokens is None else num_tokens}, k]")
+        if ids.shape[1] > self.num_topk:
+            raise _fail(ValueError, "topk_ids.shape[1] (k)", ids.shape[1],
+                        f"at most num_topk={self.num_topk} (a Buffer argument)")
+        if ids.numel():
+            lo, hi = int(ids.min()), int(ids.max())
+            if lo < -1 or hi >= self.num_experts:
+                bad = lo if lo < -1 else hi
+                raise _fail(ValueError, "topk_ids", f"expert id {bad}",
+                            f"-1 (no expert) or [0, {self.num_experts})")
+            srt = ids.sort(dim=1).values
+            dup = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)
+            if bool(dup.any()):
+                row = int(dup.any(dim=1).nonzero()[0])
+                raise _fail(ValueError, "topk_ids", f"row {row} = {ids[row].tolist()}",
+                            "each expert at most once per token")
+        return ids.to(torch.int32).contiguous()
+
+    def _check_weights(self, w: Any, ids: torch.Tensor) -> torch.Tensor:
+        w = self._check_tensor(w, "topk_weights")
+        if w.dtype != torch.float32:
+            raise _fail(TypeError, "topk_weights.dtype", w.dtype, "torch.float32")
+        if tuple(w.shape) != tuple(ids.shape):
+            raise _fail(ValueError, "topk_weights.shape", tuple(w.shape),
+                        f"the shape of topk_ids {tuple(ids.shape)}")
+        return w
+
+    # ---- dispatch ----------------------------------------------------------------------
+    def _begin(self, op: int) -> tuple[int, int]:
+        self._check_usable()
+        self._seq += 1
+        if op in (_OP_DISPATCH, _OP_LL_DISPATCH):
+            self._dispatch_calls += 1
+            return self._seq, self._dispatch_calls & 1
+        self._combine_calls += 1
+        return self._seq, self._combine_calls & 1
+
+    def _guard(self, seq: int, op: int, fn, *args):
+        """Runs a validation step; on bad input tells the peers before raising."""
+        try:
+            return fn(*args)
+        except (TypeError, ValueError):
+            self._transport.abort(seq & 0xFFFFFFFF, op)
+            raise
+
+    def _protocol(self, fn, *args):
+        native = _native.transport()
+        try:
+            return fn(*args)
+        except native.PeerAbortedError:
+            raise  # the peer raised on bad input; every rank skipped this call together
+        except (native.PeerError, native.PeerTimeoutError) as exc:
+            self._failed = str(exc)
+            raise
+
+    def _send_rows(self, seq: int, op: int, parity: int, x, topk_ids, topk_weights):
+        x = self._guard(seq, op, self._check_x, x)
+        ids = self._guard(seq, op, self._check_topk_ids, topk_ids, x.shape[0])
+        w = self._guard(seq, op, self._check_weights, topk_weights, ids).contiguous()
+        m = self.max_tokens_per_rank
+        send_token = torch.empty(self.world * m, dtype=torch.int32)
+        send_count = torch.empty(self.world, dtype=torch.int32)
+        self._transport.dispatch_send(
+            seq & 0xFFFFFFFF, op, parity, x.data_ptr(), x.shape[0], ids.data_ptr(),
+            w.data_ptr(), ids.shape[1], self._placement_table(), send_token.data_ptr(),
+            send_count.data_ptr())
+        counts = self._protocol(self._transport.wait, seq & 0xFFFFFFFF, op, self.timeout_s)
+        return x.shape[0], send_token, send_count, torch.tensor(counts, dtype=torch.int32)
+
+    def _payload_outputs(self, shape: tuple[int, ...], return_fp8: bool):
+        if return_fp8:
+            if self.payload != "fp8":
+                raise _fail(ValueError, "return_fp8", True, "False unless payload='fp8'")
+            q = torch.empty(*shape, self.hidden, dtype=torch.uint8)
+            s = torch.empty(*shape, self.hidden // 128, dtype=torch.float32)
+            return q, s, 0, q.data_ptr(), s.data_ptr()
+        x = torch.empty(*shape, self.hidden, dtype=self.dtype)
+        return x, None, x.data_ptr(), 0, 0
+
+    def dispatch(
+        self,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        *,
+        return_fp8: bool = False,
+    ) -> DispatchResult:
+        """Normal mode: sends each token once to every rank holding one of its experts.
+
+        Args:
+            x: ``[T, H]`` in the Buffer dtype, ``T <= max_tokens_per_rank`` (may be 0).
+            topk_ids: ``[T, k]`` int64/int32 global expert ids, -1 = no expert.
+            topk_weights: ``[T, k]`` float32 routing weights.
+            return_fp8: with payload='fp8', return the received rows as e4m3 bytes
+                (``x`` as float8_e4m3fn) and ``x_scales`` instead of dequantising.
+        Returns: :class:`DispatchResult` with compacted rows grouped by source rank.
+        """
+        seq, parity = self._begin(_OP_DISPATCH)
+        num_tokens, send_token, send_count, counts = self._send_rows(
+            seq, _OP_DISPATCH, parity, x, topk_ids, topk_weights)
+        total = int(counts.sum())
+        row_base = torch.zeros(self.world, dtype=torch.int64)
+        row_base[1:] = torch.cumsum(counts, 0)[:-1]
+        result = self._unpack_rows(parity, counts, row_base, (total,), return_fp8)
+        handle = DispatchHandle(id(self), "normal", "rows", num_tokens, send_token, send_count,
+                                counts, row_base)
+        return self._finish_rows(result, counts, handle, return_fp8)
+
+    def _unpack_rows(self, parity, counts, row_base, shape, return_fp8):
+        k = self.num_topk
+        xo, scales, x_ptr, q_ptr, s_ptr = self._payload_outputs(shape, return_fp8)
+        src_rank = torch.empty(*shape, dtype=torch.int32)
+        src_token = torch.empty(*shape, dtype=torch.int32)
+        ids = torch.full((*shape, k), -1, dtype=torch.int32)
+        ws = torch.zeros(*shape, k, dtype=torch.float32)
+        per_expert = torch.zeros(self.num_local_experts, dtype=torch.int32)
+        self._transport.unpack_rows(
+            parity, counts.data_ptr(), row_base.data_ptr(), x_ptr, q_ptr, s_ptr,
+            src_rank.data_ptr(), src_token.data_ptr(), ids.data_ptr(), ws.data_ptr(),
+            self.num_local_experts, per_expert.data_ptr())
+        if return_fp8:
+            xo = xo.view(torch.float8_e4m3fn)
+        return xo, scales, src_rank, src_token, ids, ws, per_expert
+
+    def _finish_rows(self, unpacked, counts, handle, return_fp8) -> DispatchResult:
+        xo, scales, src_rank, src_token, ids, ws, per_expert = unpacked
+        self._record()
+        return DispatchResult(
+            x=xo, x_scales=scales, src_rank=src_rank, src_token=src_token, topk_ids=ids,
+            topk_weights=ws, recv_count=counts, tokens_per_expert=per_expert,
+            tokens_per_expert_list=per_expert.tolist(), handle=handle)
+
+    def low_latency_dispatch(
+        self,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        *,
+        layout: str = "rows",
+        return_fp8: bool = False,
+    ) -> DispatchResult:
+        """Low-latency mode: static shapes (a fixed capacity of max_tokens_per_rank rows per
+        source), for decode steps and CUDA graphs.
+
+        ``layout="rows"``: ``x [world, max_tokens, H]``, ``recv_count[s]`` rows valid.
+        ``layout="expert_major"``: ``x [E_local, world * max_tokens, H]`` plus
+        ``tokens_per_expert``, ``src_info`` and ``layout_range`` (DeepEP's LL layout).
+        """
+        seq, parity = self._begin(_OP_LL_DISPATCH)
+        layout_ok = layout in _LAYOUTS
+        if not layout_ok:
+            self._transport.abort(seq & 0xFFFFFFFF, _OP_LL_DISPATCH)
+            raise _fail(ValueError, "layout", repr(layout), "'rows', 'expert_major'")
+        if return_fp8 and self.payload != "fp8":
+            self._transport.abort(seq & 0xFFFFFFFF, _OP_LL_DISPATCH)
+            raise _fail(ValueError, "return_fp8", True, "False unless payload='fp8'")
+        num_tokens, send_token, send_count, counts = self._send_rows(
+            seq, _OP_LL_DISPATCH, parity, x, topk_ids, topk_weights)
+        w, m = self.world, self.max_tokens_per_rank
+        row_base = torch.arange(w, dtype=torch.int64) * m
+        handle = DispatchHandle(id(self), "low_latency", layout, num_tokens, send_token,
+                                send_count, counts, row_base)
+        if layout == "rows":
+            unpacked = self._unpack_rows(parity, counts, row_base, (w, m), return_fp8)
+            return self._finish_rows(unpacked, counts, handle, return_fp8)
+        e_local, cap, k = self.num_local_experts, w * m, self.num_topk
+        xo, scales, x_ptr, q_ptr, s_ptr = self._payload_outputs((e_local, cap), return_fp8)
+        per_expert = torch.zeros(e_local, dtype=torch.int32)
+        src_info = torch.full((e_local, cap), -1, dtype=torch.int32)
+        layout_range = torch.zeros(e_local, w, dtype=torch.int64)
+        handle.expert_pos = torch.empty(cap, k, dtype=torch.int32)
+        handle.row_experts = torch.full((cap, k), -1, dtype=torch.int32)
+        handle.row_weights = torch.zeros(cap, k, dtype=torch.float32)
+        self._transport.unpack_expert_major(
+            parity, counts.data_ptr(), e_local, x_ptr, q_ptr, s_ptr, per_expert.data_ptr(),
+            src_info.data_ptr(), layout_range.data_ptr(), handle.expert_pos.data_ptr(),
+            handle.row_experts.data_ptr(), handle.row_weights.data_ptr())
+        if return_fp8:
+            xo = xo.view(torch.float8_e4m3fn)
+        self._record()
+        return DispatchResult(
+            x=xo, x_scales=scales, src_rank=None, src_token=None,
+            topk_ids=handle.row_experts.view(w, m, k), topk_weights=handle.row_weights.view(w, m, k),
+            recv_count=counts, tokens_per_expert=per_expert,
+            tokens_per_expert_list=per_expert.tolist(), handle=handle, src_info=src_info,
+            layout_range=layout_range)
+
+    # ---- combine -----------------------------------------------------------------------
+    def _check_handle(self, handle: Any, mode: str) -> DispatchHandle:
+        if not isinstance(handle, DispatchHandle):
+            raise _fail(TypeError, "handle", type(handle).__name__,
+                        "the handle of a DispatchResult of this Buffer")
+        if handle.buffer_id != id(self):
+            raise _fail(ValueError, "handle", "a handle of another Buffer",
+                        "the handle of a DispatchResult of this Buffer")
+        if handle.mode != mode:
+            other = "low_latency_combine" if handle.mode == "low_latency" else "combine"
+            raise _fail(ValueError, "handle", f"a {handle.mode}-mode handle",
+                        f"a {mode}-mode handle (use {other} for this one)")
+        return handle
+
+    def _check_y(self, y: Any, shape: tuple[int, ...]) -> torch.Tensor:
+        y = self._check_tensor(y, "y")
+        if tuple(y.shape) != shape:
+            raise _fail(ValueError, "y.shape", tuple(y.shape),
+                        f"{list(shape)}: one row per received row of the dispatch")
+        if y.dtype != self.dtype:
+            raise _fail(TypeError, "y.dtype", y.dtype, f"{self.dtype} (the Buffer's dtype)")
+        return y
+
+    def _combine(self, seq, op, parity, rows: torch.Tensor, handle: DispatchHandle):
+        self._transport.combine_send(seq & 0xFFFFFFFF, op, parity, rows.data_ptr(),
+                                     handle.recv_count.data_ptr(), handle.row_base.data_ptr())
+        out = torch.empty(handle.num_tokens, self.hidden, dtype=self.dtype)
+        self._protocol(self._transport.combine_recv, seq & 0xFFFFFFFF, op, parity,
+                       self.timeout_s, handle.send_token.data_ptr(),
+                       handle.send_count.data_ptr(), handle.num_tokens, out.data_ptr())
+        self._record()
+        return out
+
+    def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        """Returns ``[T, H]`` in the Buffer dtype: for each token, the fp32 sum (in ascending
+        rank order) of the rows its destination ranks return.
+
+        ``y [R, H]``: one row per received row of the dispatch, already weighted by the
+        routing weights and summed over that rank's local experts of the row.
+        """
+        seq, parity = self._begin(_OP_COMBINE)
+        handle = self._guard(seq, _OP_COMBINE, self._check_handle, handle, "normal")
+        total = int(handle.recv_count.sum())
+        y = self._guard(seq, _OP_COMBINE, self._check_y, y, (total, self.hidden))
+        return self._combine(seq, _OP_COMBINE, parity, y, handle)
+
+    def low_latency_combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        """Low-latency combine. With the ``rows`` layout ``y [world, max_tokens, H]`` holds
+        weighted, summed rows as in :meth:`combine`. With ``expert_major``,
+        ``y [E_local, world * max_tokens, H]`` holds *unweighted* expert outputs: this rank
+        applies the routing weights and sums each row's experts (fp32) before sending.
+        """
+        seq, parity = self._begin(_OP_LL_COMBINE)
+        op = _OP_LL_COMBINE
+        handle = self._guard(seq, op, self._check_handle, handle, "low_latency")
+        w, m = self.world, self.max_tokens_per_rank
+        if handle.layout == "rows":
+            y = self._guard(seq, op, self._check_y, y, (w, m, self.hidden))
+            return self._combine(seq, op, parity, y, handle)
+        y = self._guard(seq, op, self._check_y, y, (self.num_local_experts, w * m, self.hidden))
+        rows = torch.empty(w * m, self.hidden, dtype=self.dtype)
+        self._transport.reduce_expert_major(
+            y.data_ptr(), handle.recv_count.data_ptr(), handle.expert_pos.data_ptr(),
+            handle.row_experts.data_ptr(), handle.row_weights.data_ptr(),
+            self.num_local_experts, rows.data_ptr())
+        return self._combine(seq, op, parity, rows, handle)
+
+
+def _release(transport, names: list[str]) -> None:
+    """Unmaps and removes every name of the group that may still exist (idempotent)."""
+    if transport is not None:
+        transport.close()
+    try:
+        native = _native.transport()
+    except ImportError:  # interpreter shutdown
+        return
+    for name in names:
+        native.ShmTransport.unlink_name(name)
+

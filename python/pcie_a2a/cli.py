@@ -1,0 +1,28 @@
+"""The ``pcie-a2a`` command: ``bench`` (dispatch benchmark) and ``topo`` (topology plan)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pcie-a2a", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    from pcie_a2a.bench import cli as bench_cli
+
+    bench_cli.add_parser(sub)
+    try:
+        from pcie_a2a.topology import cli as topo_cli
+    except ImportError:  # topology package not present in this build
+        topo_cli = None
+    if topo_cli is not None:
+        topo_cli.add_parser(sub)
+
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

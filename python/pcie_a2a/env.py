@@ -1,0 +1,79 @@
+"""Every ``PCIE_A2A_*`` environment knob, read in this one module.
+
+Each knob is read when it is asked for (not at import), so tests and launchers can set
+it per process. Bad values raise ValueError naming the variable, the value and what is
+allowed.
+"""
+
+from __future__ import annotations
+
+import os
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def _get(name: str) -> str | None:
+    value = os.environ.get(name)
+    if value is None or value.strip() == "":
+        return None
+    return value.strip()
+
+
+def get_bool(name: str) -> bool | None:
+    """Tri-state boolean: None when unset."""
+    value = _get(name)
+    if value is None:
+        return None
+    if value.lower() in _TRUE:
+        return True
+    if value.lower() in _FALSE:
+        return False
+    raise ValueError(f"{name}={value!r}: expected one of 1/0, true/false, yes/no, on/off")
+
+
+def get_float(name: str, default: float) -> float:
+    value = _get(name)
+    if value is None:
+        return default
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r}: expected a number") from None
+
+
+def backend() -> str | None:
+    """PCIE_A2A_BACKEND: force the transport used by ``backend="auto"`` (cpu or cuda)."""
+    value = _get("PCIE_A2A_BACKEND")
+    if value is not None and value not in ("cpu", "cuda"):
+        raise ValueError(f"PCIE_A2A_BACKEND={value!r}: expected 'cpu' or 'cuda'")
+    return value
+
+
+def timeout_s(default: float) -> float:
+    """PCIE_A2A_TIMEOUT_S: default per-call timeout of a Buffer in seconds."""
+    return get_float("PCIE_A2A_TIMEOUT_S", default)
+
+
+def shm_dir() -> str:
+    """Where POSIX shared memory segments appear (for leak checks); Linux: /dev/shm."""
+    return _get("PCIE_A2A_SHM_DIR") or "/dev/shm"
+
+
+def topo_file() -> str | None:
+    """PCIE_A2A_TOPO_FILE: read the topology from this file instead of the live machine."""
+    return _get("PCIE_A2A_TOPO_FILE")
+
+
+def p2p() -> bool | None:
+    """PCIE_A2A_P2P: force peer-to-peer on (1) or off (0) for every pair."""
+    return get_bool("PCIE_A2A_P2P")
+
+
+def p2p_level() -> str | None:
+    """PCIE_A2A_P2P_LEVEL: farthest path class allowed for P2P (NV, PIX, PXB, PHB, NODE, SYS)."""
+    value = _get("PCIE_A2A_P2P_LEVEL")
+    allowed = ("NV", "PIX", "PXB", "PHB", "NODE", "SYS")
+    if value is not None and value.upper() not in allowed:
+        raise ValueError(f"PCIE_A2A_P2P_LEVEL={value!r}: expected one of {', '.join(allowed)}")
+    return None if value is None else value.upper()

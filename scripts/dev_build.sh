@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Developer build without pip: configure + build into build/<name>, then copy the
+# extension modules next to the Python sources so `PYTHONPATH=python` imports them.
+#   scripts/dev_build.sh                 # CPU-only build in build/dev
+#   BUILD=build/dev-cuda PCIE_A2A_WITH_CUDA=1 PCIE_A2A_CUDA_ARCHS="90-real;120-real" \
+#     scripts/dev_build.sh _cuda         # also CUDA, only the _cuda target
+# Extra arguments are target names (default: all).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+build=${BUILD:-build/dev}
+: "${PCIE_A2A_WITH_CUDA:=0}"
+export PCIE_A2A_WITH_CUDA
+pybind_dir=$(python -c 'import pybind11; print(pybind11.get_cmake_dir())')
+cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -Dpybind11_DIR="$pybind_dir" \
+  -DPython_EXECUTABLE="$(command -v python)" >/dev/null
+targets=()
+for t in "$@"; do targets+=(--target "$t"); done
+cmake --build "$build" -j "${JOBS:-2}" "${targets[@]}"
+find "$build" -maxdepth 1 -name '_*.so' -exec cp -f {} python/pcie_a2a/ \;
