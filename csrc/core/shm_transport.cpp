@@ -251,16 +251,28 @@ void ShmTransport::publish(uint32_t seq, uint32_t op, const std::vector<uint32_t
   }
 }
 
-void ShmTransport::abort(uint32_t seq, uint32_t op) {
+void ShmTransport::abort(uint32_t seq, uint32_t op, double timeout_s) {
   std::fill(last_bytes_.begin(), last_bytes_.end(), 0);
   publish(seq, op, std::vector<uint32_t>(config_.world, kAbortCount));
+  wait_impl(seq, op, timeout_s, /*tolerate_aborts=*/true);  // see wait_impl
 }
 
 std::vector<int32_t> ShmTransport::wait(uint32_t seq, uint32_t op, double timeout_s) {
+  return wait_impl(seq, op, timeout_s, /*tolerate_aborts=*/false);
+}
+
+// Waits until every rank's flag of call `seq` has arrived, even after one of them turned out
+// to be an abort or a different call: returning earlier would let this rank start call
+// seq + 1 before it has received call seq, which breaks the reuse invariant of
+// wire_format.h. The first problem seen is raised once all flags are in.
+std::vector<int32_t> ShmTransport::wait_impl(uint32_t seq, uint32_t op, double timeout_s,
+                                             bool tolerate_aborts) {
   const int32_t W = config_.world;
   std::vector<int32_t> counts(W, -1);
   int32_t remaining = W;
   uint8_t* own = peer_base(rank_);
+  std::string problem;
+  Error::Kind problem_kind = Error::Kind::kPeer;
   const auto start = Clock::now();
   const auto deadline = start + std::chrono::duration_cast<Clock::duration>(
                                     std::chrono::duration<double>(timeout_s));
@@ -273,21 +285,30 @@ std::vector<int32_t> ShmTransport::wait(uint32_t seq, uint32_t op, double timeou
       const uint64_t w = __atomic_load_n(&f->word, __ATOMIC_ACQUIRE);
       if (flag_seq(w) != seq) continue;
       const uint32_t sig = __atomic_load_n(&f->sig, __ATOMIC_RELAXED);
-      if (flag_count(w) == kAbortCount)
-        PA2A_THROW(kAborted, "rank ", r, " aborted ", op_name(op), " (call ", seq,
-                   ") because it raised an error; see that rank's traceback");
-      if (sig != op)
-        PA2A_THROW(kPeer, "rank ", r, " is in ", op_name(sig), " while rank ", rank_, " is in ",
-                   op_name(op), " (call ", seq,
-                   "): every rank must make the same sequence of dispatch/combine calls");
       const uint32_t n = flag_count(w);
-      if (n > static_cast<uint32_t>(config_.max_tokens))
-        PA2A_THROW(kPeer, "rank ", r, " announced ", n, " rows for call ", seq,
-                   ", more than max_tokens_per_rank = ", config_.max_tokens);
-      counts[r] = static_cast<int32_t>(n);
       --remaining;
+      counts[r] = 0;
+      if (tolerate_aborts || !problem.empty()) continue;
+      if (n == kAbortCount) {
+        problem = detail::concat("rank ", r, " aborted ", op_name(op), " (call ", seq,
+                                 ") because it raised an error; see that rank's traceback");
+        problem_kind = Error::Kind::kAborted;
+      } else if (sig != op) {
+        problem = detail::concat("rank ", r, " is in ", op_name(sig), " while rank ", rank_,
+                                 " is in ", op_name(op), " (call ", seq,
+                                 "): every rank must make the same sequence of dispatch/combine "
+                                 "calls");
+      } else if (n > static_cast<uint32_t>(config_.max_tokens)) {
+        problem = detail::concat("rank ", r, " announced ", n, " rows for call ", seq,
+                                 ", more than max_tokens_per_rank = ", config_.max_tokens);
+      } else {
+        counts[r] = static_cast<int32_t>(n);
+      }
     }
-    if (remaining == 0) return counts;
+    if (remaining == 0) {
+      if (!problem.empty()) throw Error(problem_kind, problem);
+      return counts;
+    }
 
     const auto now = Clock::now();
     if (now >= deadline || now >= next_liveness) {

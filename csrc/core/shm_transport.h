@@ -62,8 +62,9 @@ class ShmTransport {
   // Waits for the flags of call `seq` from every rank; returns the row counts.
   std::vector<int32_t> wait(uint32_t seq, uint32_t op, double timeout_s);
 
-  // Tells every peer that this rank will not take part in call `seq` (it raised).
-  void abort(uint32_t seq, uint32_t op);
+  // Tells every peer that this rank will not take part in call `seq` (it raised), then
+  // waits for their flags of that call so that the reuse invariant still holds.
+  void abort(uint32_t seq, uint32_t op, double timeout_s);
 
   // Copies received dispatch rows out of the region. Row (s, j) goes to output row
   // row_base[s] + j. x_out is in the buffer dtype (fp8 dequantised), or, when
@@ -106,6 +107,8 @@ class ShmTransport {
  private:
   uint8_t* peer_base(int32_t r) const { return static_cast<uint8_t*>(maps_[r]); }
   FlagLine* flag_line(uint8_t* base, int parity, int src) const;
+  std::vector<int32_t> wait_impl(uint32_t seq, uint32_t op, double timeout_s,
+                                 bool tolerate_aborts);
   void publish(uint32_t seq, uint32_t op, const std::vector<uint32_t>& counts);
   void dequant_row(const uint8_t* slot, const SlotLayout& sl, void* dst) const;
   std::string describe_peer(int32_t r) const;

@@ -382,9 +382,16 @@ class Buffer:
         """Runs a validation step; on bad input tells the peers before raising."""
         try:
             return fn(*args)
-        except (TypeError, ValueError):
-            self._transport.abort(seq & 0xFFFFFFFF, op)
+        except (TypeError, ValueError) as exc:
+            self._abort(seq, op, exc)
             raise
+
+    def _abort(self, seq: int, op: int, exc: Exception) -> None:
+        """Makes every peer raise PeerAbortedError for this call instead of waiting."""
+        try:
+            self._protocol(self._transport.abort, seq & 0xFFFFFFFF, op, self.timeout_s)
+        except Exception as abort_exc:
+            raise exc from abort_exc
 
     def _protocol(self, fn, *args):
         native = _native.transport()
@@ -410,10 +417,14 @@ class Buffer:
         counts = self._protocol(self._transport.wait, seq & 0xFFFFFFFF, op, self.timeout_s)
         return x.shape[0], send_token, send_count, torch.tensor(counts, dtype=torch.int32)
 
+    def _check_options(self, layout: str, return_fp8: bool) -> None:
+        if layout not in _LAYOUTS:
+            raise _fail(ValueError, "layout", repr(layout), "'rows', 'expert_major'")
+        if return_fp8 and self.payload != "fp8":
+            raise _fail(ValueError, "return_fp8", True, "False unless payload='fp8'")
+
     def _payload_outputs(self, shape: tuple[int, ...], return_fp8: bool):
         if return_fp8:
-            if self.payload != "fp8":
-                raise _fail(ValueError, "return_fp8", True, "False unless payload='fp8'")
             q = torch.empty(*shape, self.hidden, dtype=torch.uint8)
             s = torch.empty(*shape, self.hidden // 128, dtype=torch.float32)
             return q, s, 0, q.data_ptr(), s.data_ptr()
@@ -439,6 +450,7 @@ class Buffer:
         Returns: :class:`DispatchResult` with compacted rows grouped by source rank.
         """
         seq, parity = self._begin(_OP_DISPATCH)
+        self._guard(seq, _OP_DISPATCH, self._check_options, "rows", return_fp8)
         num_tokens, send_token, send_count, counts = self._send_rows(
             seq, _OP_DISPATCH, parity, x, topk_ids, topk_weights)
         total = int(counts.sum())
@@ -490,13 +502,7 @@ class Buffer:
         ``tokens_per_expert``, ``src_info`` and ``layout_range`` (DeepEP's LL layout).
         """
         seq, parity = self._begin(_OP_LL_DISPATCH)
-        layout_ok = layout in _LAYOUTS
-        if not layout_ok:
-            self._transport.abort(seq & 0xFFFFFFFF, _OP_LL_DISPATCH)
-            raise _fail(ValueError, "layout", repr(layout), "'rows', 'expert_major'")
-        if return_fp8 and self.payload != "fp8":
-            self._transport.abort(seq & 0xFFFFFFFF, _OP_LL_DISPATCH)
-            raise _fail(ValueError, "return_fp8", True, "False unless payload='fp8'")
+        self._guard(seq, _OP_LL_DISPATCH, self._check_options, layout, return_fp8)
         num_tokens, send_token, send_count, counts = self._send_rows(
             seq, _OP_LL_DISPATCH, parity, x, topk_ids, topk_weights)
         w, m = self.world, self.max_tokens_per_rank

@@ -22,10 +22,21 @@ class Placement:
         self.world = int(world)
         self.replicas: list[list[tuple[int, int]]] = []
         seen: dict[tuple[int, int], int] = {}
+        if isinstance(replicas, (str, bytes)) or not isinstance(replicas, Sequence):
+            raise ValueError(
+                f"placement: got {type(replicas).__name__}; allowed: a Placement or a list "
+                "giving each expert's (rank, local) pair or list of pairs"
+            )
         for e, reps in enumerate(replicas):
             if isinstance(reps, tuple) and len(reps) == 2 and isinstance(reps[0], int):
                 reps = [reps]  # a single (rank, local) pair
-            reps = [(int(r), int(l)) for r, l in reps]
+            try:
+                reps = [(int(r), int(l)) for r, l in reps]
+            except (TypeError, ValueError):
+                raise ValueError(
+                    f"placement: expert {e}: got {reps!r}; allowed: a (rank, local) pair or a "
+                    "list of them"
+                ) from None
             if not reps:
                 raise ValueError(f"placement: expert {e} has no replica")
             for r, l in reps:
