@@ -14,8 +14,9 @@ import multiprocessing as mp
 import os
 import socket
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 _CTX = mp.get_context("spawn")
 

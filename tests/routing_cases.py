@@ -12,7 +12,9 @@ def routing(kind: str, num_tokens: int, num_experts: int, topk: int, gen: torch.
     if num_tokens == 0:
         return torch.empty(0, topk, dtype=torch.int64), torch.empty(0, topk)
     if kind == "uniform":
-        ids = torch.stack([torch.randperm(num_experts, generator=gen)[:topk] for _ in range(num_tokens)])
+        ids = torch.stack(
+            [torch.randperm(num_experts, generator=gen)[:topk] for _ in range(num_tokens)]
+        )
     elif kind == "zipf":
         p = 1.0 / torch.arange(1, num_experts + 1, dtype=torch.float64) ** 1.2
         ids = torch.multinomial(p.expand(num_tokens, -1), topk, replacement=False, generator=gen)
@@ -20,7 +22,9 @@ def routing(kind: str, num_tokens: int, num_experts: int, topk: int, gen: torch.
         ids = torch.full((num_tokens, topk), -1, dtype=torch.int64)
         ids[:, 0] = 3
     elif kind == "masked":
-        ids = torch.stack([torch.randperm(num_experts, generator=gen)[:topk] for _ in range(num_tokens)])
+        ids = torch.stack(
+            [torch.randperm(num_experts, generator=gen)[:topk] for _ in range(num_tokens)]
+        )
         ids[torch.rand(ids.shape, generator=gen) < 0.35] = -1
     else:
         raise ValueError(kind)

@@ -76,13 +76,13 @@ def _table(rank, world):
 
     seen = []
     with pcie_a2a.Buffer(None, E, H, M, num_topk=K, timeout_s=20) as buf:
-        for case, exc_type, fragment in DISPATCH_CASES:
+        for case, _, _ in DISPATCH_CASES:
             for call in ("dispatch", "low_latency_dispatch"):
                 args = _dispatch_args(case) if rank == 0 else _good()
                 try:
                     getattr(buf, call)(*args)
                     seen.append((case, call, "no error"))
-                except Exception as exc:  # noqa: BLE001 - recorded and checked by the parent
+                except Exception as exc:
                     seen.append((case, call, type(exc).__name__, str(exc)))
         # combine-side mistakes, after a good dispatch
         res = buf.dispatch(*_good())
@@ -102,12 +102,12 @@ def _table(rank, world):
             try:
                 buf.combine(y, handle)
                 seen.append((case, "combine", "no error"))
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 seen.append((case, "combine", type(exc).__name__, str(exc)))
         try:
             buf.low_latency_dispatch(*_good(), layout="columns" if rank == 0 else "rows")
             seen.append(("layout", "low_latency_dispatch", "no error"))
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             seen.append(("layout", "low_latency_dispatch", type(exc).__name__, str(exc)))
         # still usable on every rank after all of that
         res = buf.dispatch(*_good())
@@ -127,10 +127,15 @@ COMBINE_CASES = [
 
 def test_bad_inputs_raise_clear_errors_and_peers_abort():
     rank0, rank1 = run_ok(2, _table, timeout=120)
-    expected = [(c, call, t, f) for c, t, f in DISPATCH_CASES
-                for call in ("dispatch", "low_latency_dispatch")]
-    expected += [(c, "combine" if c != "layout" else "low_latency_dispatch", t, f)
-                 for c, t, f in COMBINE_CASES]
+    expected = [
+        (c, call, t, f)
+        for c, t, f in DISPATCH_CASES
+        for call in ("dispatch", "low_latency_dispatch")
+    ]
+    expected += [
+        (c, "combine" if c != "layout" else "low_latency_dispatch", t, f)
+        for c, t, f in COMBINE_CASES
+    ]
     assert len(rank0) == len(expected)
     for got, (case, call, exc_type, fragment) in zip(rank0, expected):
         assert got[:3] == (case, call, exc_type.__name__), got
@@ -205,8 +210,13 @@ def test_constructor_rejects_bad_arguments(single_rank_group, kwargs, exc_type, 
 
     args = {"num_experts": 8, "hidden": 128, "max_tokens_per_rank": 8} | kwargs
     with pytest.raises(exc_type, match=fragment):
-        pcie_a2a.Buffer(None, args.pop("num_experts"), args.pop("hidden"),
-                        args.pop("max_tokens_per_rank"), **args)
+        pcie_a2a.Buffer(
+            None,
+            args.pop("num_experts"),
+            args.pop("hidden"),
+            args.pop("max_tokens_per_rank"),
+            **args,
+        )
 
 
 def test_contiguous_placement_needs_divisible_experts():

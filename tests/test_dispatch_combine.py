@@ -52,8 +52,9 @@ def _check_rows(res, exp, payload, x_by_source, rows_slice=None):
     assert torch.equal(res.topk_weights, exp.topk_weights)
     assert torch.equal(res.x, exp.x), "received rows differ from the reference"
     if payload == "fp8" and exp.x.shape[0]:
-        orig = torch.stack([x_by_source[s][t] for s, t in zip(exp.src_rank.tolist(),
-                                                              exp.src_token.tolist())]).float()
+        orig = torch.stack(
+            [x_by_source[s][t] for s, t in zip(exp.src_rank.tolist(), exp.src_token.tolist())]
+        ).float()
         scale = orig.reshape(orig.shape[0], -1, 128).abs().amax(-1, keepdim=True) / 448
         bound = 0.0665 * orig.abs() + (scale * 2.0**-10).expand(-1, -1, 128).reshape(orig.shape)
         assert bool(((res.x.float() - orig).abs() <= bound + 1e-30).all())
@@ -133,7 +134,9 @@ def _run_case(rank, world, case, seed):
                 for k in range(K):
                     e = int(exp.topk_ids[r, k])
                     if e >= 0:
-                        partial[r] += float(exp.topk_weights[r, k]) * y_em[e, pos_of[(r, e)]].float()
+                        partial[r] += (
+                            float(exp.topk_weights[r, k]) * y_em[e, pos_of[(r, e)]].float()
+                        )
             y = partial.to(torch.bfloat16)
         # everyone's partials, to build the reference combine locally
         ys = [None] * world
@@ -147,8 +150,9 @@ def _run_case(rank, world, case, seed):
         for r in range(world):
             sel = expected[r].src_rank == rank
             fp64.index_add_(0, expected[r].src_token[sel].long(), ys[r][sel].double())
-        torch.testing.assert_close(out.double(), fp64.to(torch.bfloat16).double(),
-                                   rtol=2**-7, atol=1e-6)
+        torch.testing.assert_close(
+            out.double(), fp64.to(torch.bfloat16).double(), rtol=2**-7, atol=1e-6
+        )
     return name
 
 

@@ -42,19 +42,18 @@ PYBIND11_MODULE(_cuda, m) {
          uintptr_t stream) {
         PA2A_CHECK_ARG(hidden % pa2a::kFp8GroupSize == 0, "hidden must be a multiple of 128, got ",
                        hidden);
-        pa2a::cuda::launch_quantize_fp8(reinterpret_cast<const uint16_t*>(x),
-                                        static_cast<pa2a::DType>(dtype), rows, hidden,
-                                        reinterpret_cast<uint8_t*>(q),
-                                        reinterpret_cast<float*>(scales),
-                                        reinterpret_cast<cudaStream_t>(stream));
+        pa2a::cuda::launch_quantize_fp8(
+            reinterpret_cast<const uint16_t*>(x), static_cast<pa2a::DType>(dtype), rows, hidden,
+            reinterpret_cast<uint8_t*>(q), reinterpret_cast<float*>(scales),
+            reinterpret_cast<cudaStream_t>(stream));
         check_launch();
       },
       py::arg("x"), py::arg("dtype"), py::arg("rows"), py::arg("hidden"), py::arg("q"),
       py::arg("scales"), py::arg("stream"));
   m.def(
       "dequantize_fp8",
-      [](uintptr_t q, uintptr_t scales, int64_t rows, int32_t hidden, int out_dtype,
-         uintptr_t out, uintptr_t stream) {
+      [](uintptr_t q, uintptr_t scales, int64_t rows, int32_t hidden, int out_dtype, uintptr_t out,
+         uintptr_t stream) {
         pa2a::cuda::launch_dequantize_fp8(
             reinterpret_cast<const uint8_t*>(q), reinterpret_cast<const float*>(scales), rows,
             hidden, static_cast<pa2a::DType>(out_dtype), reinterpret_cast<uint16_t*>(out),

@@ -160,6 +160,9 @@ PYBIND11_MODULE(_transport, m) {
       .def("unlink_own", &ShmTransport::unlink_own)
       .def("close", &ShmTransport::close)
       .def("peer_pid", &ShmTransport::peer_pid)
+      .def_property_readonly("numa_node", [](const ShmTransport& t) { return t.numa().node; })
+      .def_property_readonly("numa_bound", [](const ShmTransport& t) { return t.numa().bound; })
+      .def_property_readonly("numa_warning", [](const ShmTransport& t) { return t.numa().warning; })
       .def_property_readonly("segment_bytes", &ShmTransport::segment_bytes)
       .def_property_readonly("dispatch_slot_bytes",
                              [](const ShmTransport& t) { return t.layout().dispatch_slot; })
@@ -187,8 +190,7 @@ PYBIND11_MODULE(_transport, m) {
             t.unpack_rows(parity, ptr<const int32_t>(counts), ptr<const int64_t>(row_base),
                           ptr<void>(x_out), ptr<uint8_t>(fp8_out), ptr<float>(scales_out),
                           ptr<int32_t>(src_rank), ptr<int32_t>(src_token), ptr<int32_t>(topk_ids),
-                          ptr<float>(topk_weights), num_local_experts,
-                          ptr<int32_t>(expert_count));
+                          ptr<float>(topk_weights), num_local_experts, ptr<int32_t>(expert_count));
           },
           py::call_guard<py::gil_scoped_release>())
       .def(

@@ -7,8 +7,8 @@
 namespace pa2a {
 
 void dispatch_layout(const int32_t* topk_ids, int32_t num_tokens, int32_t topk,
-                     const Placement& placement, int32_t world, int32_t rank,
-                     int32_t max_tokens, int32_t* tokens_per_rank, int32_t* tokens_per_expert,
+                     const Placement& placement, int32_t world, int32_t rank, int32_t max_tokens,
+                     int32_t* tokens_per_rank, int32_t* tokens_per_expert,
                      uint8_t* is_token_in_rank) {
   std::fill(tokens_per_rank, tokens_per_rank + world, 0);
   std::fill(tokens_per_expert, tokens_per_expert + placement.num_experts, 0);

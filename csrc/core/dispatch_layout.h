@@ -10,8 +10,8 @@ namespace pa2a {
 // tokens_per_rank[world], tokens_per_expert[num_experts] (global ids, replicas merged),
 // is_token_in_rank[num_tokens * world] (0/1 bytes). Outputs are overwritten.
 void dispatch_layout(const int32_t* topk_ids, int32_t num_tokens, int32_t topk,
-                     const Placement& placement, int32_t world, int32_t rank,
-                     int32_t max_tokens, int32_t* tokens_per_rank, int32_t* tokens_per_expert,
+                     const Placement& placement, int32_t world, int32_t rank, int32_t max_tokens,
+                     int32_t* tokens_per_rank, int32_t* tokens_per_expert,
                      uint8_t* is_token_in_rank);
 
 }  // namespace pa2a

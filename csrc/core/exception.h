@@ -36,9 +36,9 @@ std::string concat(const Args&... args) {
   throw ::pa2a::Error(::pa2a::Error::Kind::kind, ::pa2a::detail::concat(__VA_ARGS__))
 
 // Invalid arguments from the caller: becomes ValueError.
-#define PA2A_CHECK_ARG(cond, ...)                   \
-  do {                                              \
-    if (!(cond)) PA2A_THROW(kValue, __VA_ARGS__);   \
+#define PA2A_CHECK_ARG(cond, ...)                 \
+  do {                                            \
+    if (!(cond)) PA2A_THROW(kValue, __VA_ARGS__); \
   } while (0)
 
 // Broken internal invariant: becomes RuntimeError with the location.

@@ -18,6 +18,8 @@
 
 namespace pa2a {
 
-PA2A_HD constexpr size_t align_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
+PA2A_HD constexpr size_t align_up(size_t n, size_t a) {
+  return (n + a - 1) / a * a;
+}
 
 }  // namespace pa2a

@@ -39,7 +39,9 @@ PA2A_HD float bits_float(uint32_t u) {
 }
 
 // ---- bf16 ------------------------------------------------------------------------------
-PA2A_HD float bf16_to_float(uint16_t h) { return bits_float(static_cast<uint32_t>(h) << 16); }
+PA2A_HD float bf16_to_float(uint16_t h) {
+  return bits_float(static_cast<uint32_t>(h) << 16);
+}
 
 PA2A_HD uint16_t float_to_bf16(float f) {
   uint32_t u = float_bits(f);
@@ -67,7 +69,7 @@ PA2A_HD uint16_t float_to_fp16(float f) {
   const uint32_t u = float_bits(f);
   const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
   const uint32_t a = u & 0x7fffffffu;
-  if (a > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);  // NaN
+  if (a > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);   // NaN
   if (a >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // rounds to inf
   if (a < 0x38800000u) {
     // result is subnormal (or zero): units of 2^-24, round half to even
@@ -104,7 +106,7 @@ PA2A_HD uint8_t float_to_fp8_e4m3(float f) {
   const uint32_t u = float_bits(f);
   const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80u);
   const uint32_t a = u & 0x7fffffffu;
-  if (a > 0x7f800000u) return static_cast<uint8_t>(sign | 0x7fu);  // NaN stays NaN
+  if (a > 0x7f800000u) return static_cast<uint8_t>(sign | 0x7fu);   // NaN stays NaN
   if (a >= 0x43e00000u) return static_cast<uint8_t>(sign | 0x7eu);  // >= 448: saturate
   if (a < 0x3c800000u) {
     // below the smallest normal 2^-6: subnormal grid of 2^-9, round half to even

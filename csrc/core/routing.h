@@ -26,8 +26,8 @@ struct Placement {
   int32_t num_experts = 0;
 };
 
-PA2A_HD void select_replica(const Placement& p, int32_t expert, int64_t global_token,
-                            int32_t* rank, int32_t* local) {
+PA2A_HD void select_replica(const Placement& p, int32_t expert, int64_t global_token, int32_t* rank,
+                            int32_t* local) {
   const int32_t begin = p.replica_offset[expert];
   const int32_t n = p.replica_offset[expert + 1] - begin;
   const int32_t i = begin + static_cast<int32_t>(global_token % n);

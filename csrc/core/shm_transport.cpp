@@ -14,13 +14,16 @@
 #include <thread>
 
 #include "core/exception.h"
+#include "core/numa_memory.h"
 
 namespace pa2a {
 namespace {
 
 using Clock = std::chrono::steady_clock;
 
-std::string errno_text(int err) { return std::string(std::strerror(err)); }
+std::string errno_text(int err) {
+  return std::string(std::strerror(err));
+}
 
 // A peer that exited is gone or a zombie waiting to be reaped by its parent.
 bool process_alive(int32_t pid) {
@@ -43,20 +46,20 @@ inline void cpu_relax() {
 #endif
 }
 
-
 }  // namespace
 
 std::string ShmTransport::segment_name(const std::string& prefix, int32_t rank) {
   return "/" + prefix + ".r" + std::to_string(rank);
 }
 
-bool ShmTransport::unlink_name(const std::string& name) { return ::shm_unlink(name.c_str()) == 0; }
+bool ShmTransport::unlink_name(const std::string& name) {
+  return ::shm_unlink(name.c_str()) == 0;
+}
 
 ShmTransport::ShmTransport(std::string prefix, int32_t rank, const WireConfig& config)
     : prefix_(std::move(prefix)), rank_(rank), config_(config) {
   const WireConfig& c = config_;
-  PA2A_CHECK_ARG(c.world >= 1 && c.world <= 1024, "world size must be in [1, 1024], got ",
-                 c.world);
+  PA2A_CHECK_ARG(c.world >= 1 && c.world <= 1024, "world size must be in [1, 1024], got ", c.world);
   PA2A_CHECK_ARG(rank >= 0 && rank < c.world, "rank must be in [0, ", c.world, "), got ", rank);
   PA2A_CHECK_ARG(c.hidden > 0 && c.hidden % 8 == 0,
                  "hidden must be a positive multiple of 8 (16-byte rows), got ", c.hidden);
@@ -65,8 +68,7 @@ ShmTransport::ShmTransport(std::string prefix, int32_t rank, const WireConfig& c
   PA2A_CHECK_ARG(c.max_tokens >= 1, "max_tokens_per_rank must be >= 1, got ", c.max_tokens);
   PA2A_CHECK_ARG(c.num_topk >= 1 && c.num_topk <= 64, "num_topk must be in [1, 64], got ",
                  c.num_topk);
-  PA2A_CHECK_ARG(c.dtype == DType::kBF16 || c.dtype == DType::kFP16,
-                 "dtype must be bf16 or fp16");
+  PA2A_CHECK_ARG(c.dtype == DType::kBF16 || c.dtype == DType::kFP16, "dtype must be bf16 or fp16");
   layout_ = segment_layout(c);
   slot_ = dispatch_slot_layout(c);
   maps_.assign(c.world, nullptr);
@@ -75,24 +77,26 @@ ShmTransport::ShmTransport(std::string prefix, int32_t rank, const WireConfig& c
 
   const std::string name = segment_name(prefix_, rank_);
   const int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-  if (fd < 0)
-    PA2A_THROW(kRuntime, "shm_open(", name, ") failed: ", errno_text(errno));
+  if (fd < 0) PA2A_THROW(kRuntime, "shm_open(", name, ") failed: ", errno_text(errno));
   own_linked_ = true;
   if (::ftruncate(fd, static_cast<off_t>(layout_.total)) != 0) {
     const int err = errno;
     ::close(fd);
     close();
-    PA2A_THROW(kRuntime, "ftruncate(", name, ", ", layout_.total, " bytes) failed: ",
-               errno_text(err), " (is /dev/shm large enough?)");
+    PA2A_THROW(kRuntime, "ftruncate(", name, ", ", layout_.total,
+               " bytes) failed: ", errno_text(err), " (is /dev/shm large enough?)");
   }
   void* p = ::mmap(nullptr, layout_.total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   const int err = errno;
   ::close(fd);
   if (p == MAP_FAILED) {
     close();
-    PA2A_THROW(kRuntime, "mmap of ", name, " (", layout_.total, " bytes) failed: ",
-               errno_text(err));
+    PA2A_THROW(kRuntime, "mmap of ", name, " (", layout_.total,
+               " bytes) failed: ", errno_text(err));
   }
+  // Receivers poll and read their own region: place it on this rank's NUMA node (the
+  // staging rule of DESIGN.md section 4), first-touching it now rather than in the first call.
+  numa_ = numa_bind_and_touch(p, layout_.total, numa_node_of_current_cpu());
   maps_[rank_] = p;
   pids_[rank_] = static_cast<int32_t>(::getpid());
   SegmentHeader h{};
@@ -104,7 +108,9 @@ ShmTransport::ShmTransport(std::string prefix, int32_t rank, const WireConfig& c
   std::memcpy(p, &h, sizeof(h));
 }
 
-ShmTransport::~ShmTransport() { close(); }
+ShmTransport::~ShmTransport() {
+  close();
+}
 
 void ShmTransport::attach_peers() {
   for (int32_t r = 0; r < config_.world; ++r) {
@@ -114,11 +120,11 @@ void ShmTransport::attach_peers() {
     if (fd < 0)
       PA2A_THROW(kPeer, "rank ", rank_, " cannot open rank ", r, "'s segment ", name, ": ",
                  errno_text(errno));
-    struct stat st {};
+    struct stat st{};
     if (::fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) != layout_.total) {
       ::close(fd);
-      PA2A_THROW(kPeer, "rank ", r, "'s segment ", name, " has ", st.st_size,
-                 " bytes, expected ", layout_.total, ": the ranks disagree on the configuration");
+      PA2A_THROW(kPeer, "rank ", r, "'s segment ", name, " has ", st.st_size, " bytes, expected ",
+                 layout_.total, ": the ranks disagree on the configuration");
     }
     void* p = ::mmap(nullptr, layout_.total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     const int err = errno;
@@ -274,8 +280,8 @@ std::vector<int32_t> ShmTransport::wait_impl(uint32_t seq, uint32_t op, double t
   std::string problem;
   Error::Kind problem_kind = Error::Kind::kPeer;
   const auto start = Clock::now();
-  const auto deadline = start + std::chrono::duration_cast<Clock::duration>(
-                                    std::chrono::duration<double>(timeout_s));
+  const auto deadline =
+      start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
   auto next_liveness = start + std::chrono::milliseconds(50);
   int64_t sleep_us = 1;
   for (;;) {
@@ -321,8 +327,8 @@ std::vector<int32_t> ShmTransport::wait_impl(uint32_t seq, uint32_t op, double t
         missing += (missing.empty() ? "" : ", ") + std::to_string(r);
       }
       if (now >= deadline)
-        PA2A_THROW(kTimeout, "rank ", rank_, " timed out after ", timeout_s, " s in ",
-                   op_name(op), " (call ", seq, ") waiting for rank(s) ", missing,
+        PA2A_THROW(kTimeout, "rank ", rank_, " timed out after ", timeout_s, " s in ", op_name(op),
+                   " (call ", seq, ") waiting for rank(s) ", missing,
                    "; they are alive but did not send: a rank is stuck, slower than the timeout, "
                    "or skipped a call");
       next_liveness = now + std::chrono::milliseconds(50);
@@ -351,15 +357,14 @@ void ShmTransport::dequant_row(const uint8_t* slot, const SlotLayout& sl, void* 
   const uint8_t* q = slot + sl.payload_off;
   const auto* scales = reinterpret_cast<const float*>(slot + sl.scales_off);
   for (int32_t i = 0; i < H; ++i)
-    out[i] = float_to_half_bits(fp8_e4m3_to_float(q[i]) * scales[i / kFp8GroupSize],
-                                config_.dtype);
+    out[i] = float_to_half_bits(fp8_e4m3_to_float(q[i]) * scales[i / kFp8GroupSize], config_.dtype);
 }
 
 void ShmTransport::unpack_rows(int parity, const int32_t* counts, const int64_t* row_base,
                                void* x_out, uint8_t* fp8_out, float* scales_out,
-                               int32_t* src_rank_out, int32_t* src_token_out,
-                               int32_t* topk_ids_out, float* topk_weights_out,
-                               int32_t num_local_experts, int32_t* expert_count) {
+                               int32_t* src_rank_out, int32_t* src_token_out, int32_t* topk_ids_out,
+                               float* topk_weights_out, int32_t num_local_experts,
+                               int32_t* expert_count) {
   const WireConfig& c = config_;
   const int32_t K = c.num_topk, H = c.hidden, G = H / kFp8GroupSize;
   const uint8_t* region = peer_base(rank_) + layout_.dispatch_off;
@@ -389,9 +394,9 @@ void ShmTransport::unpack_rows(int parity, const int32_t* counts, const int64_t*
   }
 }
 
-void ShmTransport::unpack_expert_major(int parity, const int32_t* counts,
-                                       int32_t num_local_experts, void* x_out, uint8_t* fp8_out,
-                                       float* scales_out, int32_t* expert_count, int32_t* src_info,
+void ShmTransport::unpack_expert_major(int parity, const int32_t* counts, int32_t num_local_experts,
+                                       void* x_out, uint8_t* fp8_out, float* scales_out,
+                                       int32_t* expert_count, int32_t* src_info,
                                        int64_t* layout_range, int32_t* expert_pos,
                                        int32_t* row_experts, float* row_weights) {
   const WireConfig& c = config_;
@@ -450,8 +455,7 @@ void ShmTransport::combine_send(uint32_t seq, uint32_t op, int parity, const voi
     uint8_t* region = peer_base(s) + layout_.combine_off;
     for (int32_t j = 0; j < counts[s]; ++j) {
       const auto* src = static_cast<const uint8_t*>(y) + (row_base[s] + j) * row_bytes;
-      std::memcpy(region + slot_offset(c, parity, rank_, j, layout_.combine_slot), src,
-                  row_bytes);
+      std::memcpy(region + slot_offset(c, parity, rank_, j, layout_.combine_slot), src, row_bytes);
     }
     sent[s] = static_cast<uint32_t>(counts[s]);
     last_bytes_[s] += static_cast<uint64_t>(counts[s]) * layout_.combine_slot;

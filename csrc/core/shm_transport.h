@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "core/numa_memory.h"
 #include "core/routing.h"
 #include "core/wire_format.h"
 
@@ -50,6 +51,8 @@ class ShmTransport {
   const SegmentLayout& layout() const { return layout_; }
   size_t segment_bytes() const { return layout_.total; }
   int32_t peer_pid(int32_t r) const;
+  // Where this rank's region was placed (bound=false plus a warning where mbind is refused).
+  const NumaBindResult& numa() const { return numa_; }
 
   // ---- dispatch ----------------------------------------------------------------------
   // Writes one row per (token, destination rank) into the destinations' dispatch slots
@@ -80,9 +83,9 @@ class ShmTransport {
   // its k-th local expert (for combine). src_info[e * cap + p] = source token index,
   // layout_range[e * world + s] = (begin << 32) | count of rows from source s.
   void unpack_expert_major(int parity, const int32_t* counts, int32_t num_local_experts,
-                           void* x_out, uint8_t* fp8_out, float* scales_out,
-                           int32_t* expert_count, int32_t* src_info, int64_t* layout_range,
-                           int32_t* expert_pos, int32_t* row_experts, float* row_weights);
+                           void* x_out, uint8_t* fp8_out, float* scales_out, int32_t* expert_count,
+                           int32_t* src_info, int64_t* layout_range, int32_t* expert_pos,
+                           int32_t* row_experts, float* row_weights);
 
   // ---- combine -----------------------------------------------------------------------
   // Pushes row (s, j) = y[row_base[s] + j] back to source s's combine slot j.
@@ -107,8 +110,7 @@ class ShmTransport {
  private:
   uint8_t* peer_base(int32_t r) const { return static_cast<uint8_t*>(maps_[r]); }
   FlagLine* flag_line(uint8_t* base, int parity, int src) const;
-  std::vector<int32_t> wait_impl(uint32_t seq, uint32_t op, double timeout_s,
-                                 bool tolerate_aborts);
+  std::vector<int32_t> wait_impl(uint32_t seq, uint32_t op, double timeout_s, bool tolerate_aborts);
   void publish(uint32_t seq, uint32_t op, const std::vector<uint32_t>& counts);
   void dequant_row(const uint8_t* slot, const SlotLayout& sl, void* dst) const;
   std::string describe_peer(int32_t r) const;
@@ -121,9 +123,10 @@ class ShmTransport {
   std::vector<void*> maps_;
   std::vector<int32_t> pids_;
   bool own_linked_ = false;
+  NumaBindResult numa_;
   std::vector<uint64_t> last_bytes_;
-  std::vector<float> acc_;      // combine accumulator scratch
-  std::vector<uint8_t> qrow_;   // fp8 row scratch
+  std::vector<float> acc_;     // combine accumulator scratch
+  std::vector<uint8_t> qrow_;  // fp8 row scratch
 };
 
 }  // namespace pa2a

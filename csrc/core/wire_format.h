@@ -81,8 +81,12 @@ static_assert(sizeof(FlagLine) == kFlagLineBytes, "flag line is one cache line")
 PA2A_HD uint64_t pack_flag(uint32_t seq, uint32_t count) {
   return (static_cast<uint64_t>(seq) << 32) | count;
 }
-PA2A_HD uint32_t flag_seq(uint64_t w) { return static_cast<uint32_t>(w >> 32); }
-PA2A_HD uint32_t flag_count(uint64_t w) { return static_cast<uint32_t>(w & 0xffffffffu); }
+PA2A_HD uint32_t flag_seq(uint64_t w) {
+  return static_cast<uint32_t>(w >> 32);
+}
+PA2A_HD uint32_t flag_count(uint64_t w) {
+  return static_cast<uint32_t>(w & 0xffffffffu);
+}
 
 // Fixed at Buffer construction and identical on every rank (checked at bootstrap).
 struct WireConfig {
@@ -151,8 +155,7 @@ PA2A_HD SegmentLayout segment_layout(const WireConfig& c) {
 }
 
 // Byte offset of slot `slot` written by `src` in parity `parity` of a region.
-PA2A_HD size_t slot_offset(const WireConfig& c, int parity, int src, int slot,
-                           size_t slot_bytes) {
+PA2A_HD size_t slot_offset(const WireConfig& c, int parity, int src, int slot, size_t slot_bytes) {
   return ((static_cast<size_t>(parity) * c.world + src) * c.max_tokens + slot) * slot_bytes;
 }
 

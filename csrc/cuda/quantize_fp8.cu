@@ -12,8 +12,8 @@ __global__ void quantize_fp8_kernel(const uint16_t* __restrict__ x, DType dtype,
 }
 
 __global__ void dequantize_fp8_kernel(const uint8_t* __restrict__ q,
-                                      const float* __restrict__ scales, int64_t n,
-                                      DType out_dtype, uint16_t* __restrict__ out) {
+                                      const float* __restrict__ scales, int64_t n, DType out_dtype,
+                                      uint16_t* __restrict__ out) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n) return;
   const float v = fp8_e4m3_to_float(q[i]) * scales[i / kFp8GroupSize];
@@ -22,8 +22,8 @@ __global__ void dequantize_fp8_kernel(const uint8_t* __restrict__ q,
 
 }  // namespace
 
-void launch_quantize_fp8(const uint16_t* x, DType dtype, int64_t rows, int32_t hidden,
-                         uint8_t* q, float* scales, cudaStream_t stream) {
+void launch_quantize_fp8(const uint16_t* x, DType dtype, int64_t rows, int32_t hidden, uint8_t* q,
+                         float* scales, cudaStream_t stream) {
   const int64_t groups = rows * (hidden / kFp8GroupSize);
   if (groups == 0) return;
   const int threads = 128;

@@ -13,8 +13,8 @@
 namespace pa2a::cuda {
 
 // x: [rows, hidden] bf16/fp16 bits; q: [rows, hidden] e4m3; scales: [rows, hidden / 128].
-void launch_quantize_fp8(const uint16_t* x, DType dtype, int64_t rows, int32_t hidden,
-                         uint8_t* q, float* scales, cudaStream_t stream);
+void launch_quantize_fp8(const uint16_t* x, DType dtype, int64_t rows, int32_t hidden, uint8_t* q,
+                         float* scales, cudaStream_t stream);
 
 void launch_dequantize_fp8(const uint8_t* q, const float* scales, int64_t rows, int32_t hidden,
                            DType out_dtype, uint16_t* out, cudaStream_t stream);

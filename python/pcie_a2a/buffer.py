@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -127,18 +128,28 @@ class Buffer:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
-        for name, value in (("num_experts", num_experts), ("hidden", hidden),
-                            ("max_tokens_per_rank", max_tokens_per_rank), ("num_topk", num_topk)):
+        for name, value in (
+            ("num_experts", num_experts),
+            ("hidden", hidden),
+            ("max_tokens_per_rank", max_tokens_per_rank),
+            ("num_topk", num_topk),
+        ):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise _fail(ValueError, name, repr(value), "a positive int")
         if dtype not in _DTYPES:
             raise _fail(TypeError, "dtype", dtype, "torch.bfloat16, torch.float16")
         if payload not in _PAYLOADS:
             raise _fail(ValueError, "payload", repr(payload), "'bf16', 'fp16', 'fp8'")
-        if payload in ("bf16", "fp16") and payload != {torch.bfloat16: "bf16",
-                                                       torch.float16: "fp16"}[dtype]:
-            raise _fail(ValueError, "payload", repr(payload),
-                        f"'fp8' or the dtype of x ({'bf16' if dtype == torch.bfloat16 else 'fp16'})")
+        if (
+            payload in ("bf16", "fp16")
+            and payload != {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+        ):
+            raise _fail(
+                ValueError,
+                "payload",
+                repr(payload),
+                f"'fp8' or the dtype of x ({'bf16' if dtype == torch.bfloat16 else 'fp16'})",
+            )
         if hidden % 8:
             raise _fail(ValueError, "hidden", hidden, "a multiple of 8 (16-byte rows)")
         if payload == "fp8" and hidden % 128:
@@ -150,9 +161,12 @@ class Buffer:
         elif not isinstance(placement, Placement):
             placement = Placement(placement, self.world)
         if placement.num_experts != num_experts or placement.world != self.world:
-            raise _fail(ValueError, "placement",
-                        f"{placement.num_experts} experts on {placement.world} ranks",
-                        f"{num_experts} experts on {self.world} ranks")
+            raise _fail(
+                ValueError,
+                "placement",
+                f"{placement.num_experts} experts on {placement.world} ranks",
+                f"{num_experts} experts on {self.world} ranks",
+            )
         self.backend = self._choose_backend(backend)
         self.num_experts = num_experts
         self.hidden = hidden
@@ -220,9 +234,16 @@ class Buffer:
         code = {"bf16": 0, "fp16": 1, "fp8": 2}[self.payload]
         transport, error = None, None
         try:
-            transport = native.ShmTransport(prefix, self.rank, self.world, self.hidden,
-                                            self.max_tokens_per_rank, self.num_topk, code,
-                                            _DTYPES[self.dtype])
+            transport = native.ShmTransport(
+                prefix,
+                self.rank,
+                self.world,
+                self.hidden,
+                self.max_tokens_per_rank,
+                self.num_topk,
+                code,
+                _DTYPES[self.dtype],
+            )
         except Exception as exc:  # reported to every rank below
             error = f"rank {self.rank}: {exc}"
         self._finalizer.detach()
@@ -234,6 +255,8 @@ class Buffer:
             error = f"rank {self.rank}: {exc}"
         self._check_all(error, "attaching peers")
         transport.unlink_own()  # everyone has mapped it: the name is no longer needed
+        if transport.numa_warning:
+            warnings.warn(f"pcie_a2a rank {self.rank}: {transport.numa_warning}", stacklevel=3)
         self._transport = transport
         self._closed = False
 
@@ -281,6 +304,8 @@ class Buffer:
             "total_bytes_per_rank": list(s.total),
             "last_wire_bytes": sum(b for r, b in enumerate(s.last) if r != me),
             "total_wire_bytes": sum(b for r, b in enumerate(s.total) if r != me),
+            "numa_node": self._transport.numa_node if self._transport else -1,
+            "numa_bound": bool(self._transport and self._transport.numa_bound),
         }
 
     def _record(self) -> None:
@@ -302,9 +327,17 @@ class Buffer:
         per_expert = torch.empty(self.num_experts, dtype=torch.int32)
         in_rank = torch.empty(t, self.world, dtype=torch.uint8)
         _native.transport().dispatch_layout(
-            ids.data_ptr(), t, ids.shape[1], self._placement_table(), self.world, self.rank,
-            self.max_tokens_per_rank, per_rank.data_ptr(), per_expert.data_ptr(),
-            in_rank.data_ptr())
+            ids.data_ptr(),
+            t,
+            ids.shape[1],
+            self._placement_table(),
+            self.world,
+            self.rank,
+            self.max_tokens_per_rank,
+            per_rank.data_ptr(),
+            per_expert.data_ptr(),
+            in_rank.data_ptr(),
+        )
         return per_rank, per_expert, in_rank.bool()
 
     def _placement_table(self):
@@ -317,11 +350,19 @@ class Buffer:
         if not isinstance(t, torch.Tensor):
             raise _fail(TypeError, name, type(t).__name__, "a torch.Tensor")
         if t.device.type != "cpu":
-            raise _fail(ValueError, f"{name}.device", t.device,
-                        f"cpu (this Buffer uses the {self.backend} backend)")
+            raise _fail(
+                ValueError,
+                f"{name}.device",
+                t.device,
+                f"cpu (this Buffer uses the {self.backend} backend)",
+            )
         if not t.is_contiguous():
-            raise _fail(ValueError, name, f"a non-contiguous tensor with strides {t.stride()}",
-                        "a contiguous tensor (call .contiguous())")
+            raise _fail(
+                ValueError,
+                name,
+                f"a non-contiguous tensor with strides {t.stride()}",
+                "a contiguous tensor (call .contiguous())",
+            )
         return t
 
     def _check_x(self, x: Any) -> torch.Tensor:
@@ -331,8 +372,12 @@ class Buffer:
         if x.dtype != self.dtype:
             raise _fail(TypeError, "x.dtype", x.dtype, f"{self.dtype} (the Buffer's dtype)")
         if x.shape[0] > self.max_tokens_per_rank:
-            raise _fail(ValueError, "x.shape[0] (num_tokens)", x.shape[0],
-                        f"at most max_tokens_per_rank={self.max_tokens_per_rank}")
+            raise _fail(
+                ValueError,
+                "x.shape[0] (num_tokens)",
+                x.shape[0],
+                f"at most max_tokens_per_rank={self.max_tokens_per_rank}",
+            )
         return x
 
     def _check_topk_ids(self, topk_ids: Any, num_tokens: int | None) -> torch.Tensor:
@@ -340,23 +385,39 @@ class Buffer:
         if ids.dtype not in (torch.int32, torch.int64):
             raise _fail(TypeError, "topk_ids.dtype", ids.dtype, "torch.int64 or torch.int32")
         if ids.dim() != 2 or (num_tokens is not None and ids.shape[0] != num_tokens):
-            raise _fail(ValueError, "topk_ids.shape", tuple(ids.shape),
-                        f"[{'num_tokens' if num_tokens is None else num_tokens}, k]")
+            raise _fail(
+                ValueError,
+                "topk_ids.shape",
+                tuple(ids.shape),
+                f"[{'num_tokens' if num_tokens is None else num_tokens}, k]",
+            )
         if ids.shape[1] > self.num_topk:
-            raise _fail(ValueError, "topk_ids.shape[1] (k)", ids.shape[1],
-                        f"at most num_topk={self.num_topk} (a Buffer argument)")
+            raise _fail(
+                ValueError,
+                "topk_ids.shape[1] (k)",
+                ids.shape[1],
+                f"at most num_topk={self.num_topk} (a Buffer argument)",
+            )
         if ids.numel():
             lo, hi = int(ids.min()), int(ids.max())
             if lo < -1 or hi >= self.num_experts:
                 bad = lo if lo < -1 else hi
-                raise _fail(ValueError, "topk_ids", f"expert id {bad}",
-                            f"-1 (no expert) or [0, {self.num_experts})")
+                raise _fail(
+                    ValueError,
+                    "topk_ids",
+                    f"expert id {bad}",
+                    f"-1 (no expert) or [0, {self.num_experts})",
+                )
             srt = ids.sort(dim=1).values
             dup = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)
             if bool(dup.any()):
                 row = int(dup.any(dim=1).nonzero()[0])
-                raise _fail(ValueError, "topk_ids", f"row {row} = {ids[row].tolist()}",
-                            "each expert at most once per token")
+                raise _fail(
+                    ValueError,
+                    "topk_ids",
+                    f"row {row} = {ids[row].tolist()}",
+                    "each expert at most once per token",
+                )
         return ids.to(torch.int32).contiguous()
 
     def _check_weights(self, w: Any, ids: torch.Tensor) -> torch.Tensor:
@@ -364,8 +425,12 @@ class Buffer:
         if w.dtype != torch.float32:
             raise _fail(TypeError, "topk_weights.dtype", w.dtype, "torch.float32")
         if tuple(w.shape) != tuple(ids.shape):
-            raise _fail(ValueError, "topk_weights.shape", tuple(w.shape),
-                        f"the shape of topk_ids {tuple(ids.shape)}")
+            raise _fail(
+                ValueError,
+                "topk_weights.shape",
+                tuple(w.shape),
+                f"the shape of topk_ids {tuple(ids.shape)}",
+            )
         return w
 
     # ---- dispatch ----------------------------------------------------------------------
@@ -411,9 +476,18 @@ class Buffer:
         send_token = torch.empty(self.world * m, dtype=torch.int32)
         send_count = torch.empty(self.world, dtype=torch.int32)
         self._transport.dispatch_send(
-            seq & 0xFFFFFFFF, op, parity, x.data_ptr(), x.shape[0], ids.data_ptr(),
-            w.data_ptr(), ids.shape[1], self._placement_table(), send_token.data_ptr(),
-            send_count.data_ptr())
+            seq & 0xFFFFFFFF,
+            op,
+            parity,
+            x.data_ptr(),
+            x.shape[0],
+            ids.data_ptr(),
+            w.data_ptr(),
+            ids.shape[1],
+            self._placement_table(),
+            send_token.data_ptr(),
+            send_count.data_ptr(),
+        )
         counts = self._protocol(self._transport.wait, seq & 0xFFFFFFFF, op, self.timeout_s)
         return x.shape[0], send_token, send_count, torch.tensor(counts, dtype=torch.int32)
 
@@ -452,13 +526,15 @@ class Buffer:
         seq, parity = self._begin(_OP_DISPATCH)
         self._guard(seq, _OP_DISPATCH, self._check_options, "rows", return_fp8)
         num_tokens, send_token, send_count, counts = self._send_rows(
-            seq, _OP_DISPATCH, parity, x, topk_ids, topk_weights)
+            seq, _OP_DISPATCH, parity, x, topk_ids, topk_weights
+        )
         total = int(counts.sum())
         row_base = torch.zeros(self.world, dtype=torch.int64)
         row_base[1:] = torch.cumsum(counts, 0)[:-1]
         result = self._unpack_rows(parity, counts, row_base, (total,), return_fp8)
-        handle = DispatchHandle(id(self), "normal", "rows", num_tokens, send_token, send_count,
-                                counts, row_base)
+        handle = DispatchHandle(
+            id(self), "normal", "rows", num_tokens, send_token, send_count, counts, row_base
+        )
         return self._finish_rows(result, counts, handle, return_fp8)
 
     def _unpack_rows(self, parity, counts, row_base, shape, return_fp8):
@@ -470,9 +546,19 @@ class Buffer:
         ws = torch.zeros(*shape, k, dtype=torch.float32)
         per_expert = torch.zeros(self.num_local_experts, dtype=torch.int32)
         self._transport.unpack_rows(
-            parity, counts.data_ptr(), row_base.data_ptr(), x_ptr, q_ptr, s_ptr,
-            src_rank.data_ptr(), src_token.data_ptr(), ids.data_ptr(), ws.data_ptr(),
-            self.num_local_experts, per_expert.data_ptr())
+            parity,
+            counts.data_ptr(),
+            row_base.data_ptr(),
+            x_ptr,
+            q_ptr,
+            s_ptr,
+            src_rank.data_ptr(),
+            src_token.data_ptr(),
+            ids.data_ptr(),
+            ws.data_ptr(),
+            self.num_local_experts,
+            per_expert.data_ptr(),
+        )
         if return_fp8:
             xo = xo.view(torch.float8_e4m3fn)
         return xo, scales, src_rank, src_token, ids, ws, per_expert
@@ -481,9 +567,17 @@ class Buffer:
         xo, scales, src_rank, src_token, ids, ws, per_expert = unpacked
         self._record()
         return DispatchResult(
-            x=xo, x_scales=scales, src_rank=src_rank, src_token=src_token, topk_ids=ids,
-            topk_weights=ws, recv_count=counts, tokens_per_expert=per_expert,
-            tokens_per_expert_list=per_expert.tolist(), handle=handle)
+            x=xo,
+            x_scales=scales,
+            src_rank=src_rank,
+            src_token=src_token,
+            topk_ids=ids,
+            topk_weights=ws,
+            recv_count=counts,
+            tokens_per_expert=per_expert,
+            tokens_per_expert_list=per_expert.tolist(),
+            handle=handle,
+        )
 
     def low_latency_dispatch(
         self,
@@ -504,11 +598,13 @@ class Buffer:
         seq, parity = self._begin(_OP_LL_DISPATCH)
         self._guard(seq, _OP_LL_DISPATCH, self._check_options, layout, return_fp8)
         num_tokens, send_token, send_count, counts = self._send_rows(
-            seq, _OP_LL_DISPATCH, parity, x, topk_ids, topk_weights)
+            seq, _OP_LL_DISPATCH, parity, x, topk_ids, topk_weights
+        )
         w, m = self.world, self.max_tokens_per_rank
         row_base = torch.arange(w, dtype=torch.int64) * m
-        handle = DispatchHandle(id(self), "low_latency", layout, num_tokens, send_token,
-                                send_count, counts, row_base)
+        handle = DispatchHandle(
+            id(self), "low_latency", layout, num_tokens, send_token, send_count, counts, row_base
+        )
         if layout == "rows":
             unpacked = self._unpack_rows(parity, counts, row_base, (w, m), return_fp8)
             return self._finish_rows(unpacked, counts, handle, return_fp8)
@@ -521,49 +617,97 @@ class Buffer:
         handle.row_experts = torch.full((cap, k), -1, dtype=torch.int32)
         handle.row_weights = torch.zeros(cap, k, dtype=torch.float32)
         self._transport.unpack_expert_major(
-            parity, counts.data_ptr(), e_local, x_ptr, q_ptr, s_ptr, per_expert.data_ptr(),
-            src_info.data_ptr(), layout_range.data_ptr(), handle.expert_pos.data_ptr(),
-            handle.row_experts.data_ptr(), handle.row_weights.data_ptr())
+            parity,
+            counts.data_ptr(),
+            e_local,
+            x_ptr,
+            q_ptr,
+            s_ptr,
+            per_expert.data_ptr(),
+            src_info.data_ptr(),
+            layout_range.data_ptr(),
+            handle.expert_pos.data_ptr(),
+            handle.row_experts.data_ptr(),
+            handle.row_weights.data_ptr(),
+        )
         if return_fp8:
             xo = xo.view(torch.float8_e4m3fn)
         self._record()
         return DispatchResult(
-            x=xo, x_scales=scales, src_rank=None, src_token=None,
-            topk_ids=handle.row_experts.view(w, m, k), topk_weights=handle.row_weights.view(w, m, k),
-            recv_count=counts, tokens_per_expert=per_expert,
-            tokens_per_expert_list=per_expert.tolist(), handle=handle, src_info=src_info,
-            layout_range=layout_range)
+            x=xo,
+            x_scales=scales,
+            src_rank=None,
+            src_token=None,
+            topk_ids=handle.row_experts.view(w, m, k),
+            topk_weights=handle.row_weights.view(w, m, k),
+            recv_count=counts,
+            tokens_per_expert=per_expert,
+            tokens_per_expert_list=per_expert.tolist(),
+            handle=handle,
+            src_info=src_info,
+            layout_range=layout_range,
+        )
 
     # ---- combine -----------------------------------------------------------------------
     def _check_handle(self, handle: Any, mode: str) -> DispatchHandle:
         if not isinstance(handle, DispatchHandle):
-            raise _fail(TypeError, "handle", type(handle).__name__,
-                        "the handle of a DispatchResult of this Buffer")
+            raise _fail(
+                TypeError,
+                "handle",
+                type(handle).__name__,
+                "the handle of a DispatchResult of this Buffer",
+            )
         if handle.buffer_id != id(self):
-            raise _fail(ValueError, "handle", "a handle of another Buffer",
-                        "the handle of a DispatchResult of this Buffer")
+            raise _fail(
+                ValueError,
+                "handle",
+                "a handle of another Buffer",
+                "the handle of a DispatchResult of this Buffer",
+            )
         if handle.mode != mode:
             other = "low_latency_combine" if handle.mode == "low_latency" else "combine"
-            raise _fail(ValueError, "handle", f"a {handle.mode}-mode handle",
-                        f"a {mode}-mode handle (use {other} for this one)")
+            raise _fail(
+                ValueError,
+                "handle",
+                f"a {handle.mode}-mode handle",
+                f"a {mode}-mode handle (use {other} for this one)",
+            )
         return handle
 
     def _check_y(self, y: Any, shape: tuple[int, ...]) -> torch.Tensor:
         y = self._check_tensor(y, "y")
         if tuple(y.shape) != shape:
-            raise _fail(ValueError, "y.shape", tuple(y.shape),
-                        f"{list(shape)}: one row per received row of the dispatch")
+            raise _fail(
+                ValueError,
+                "y.shape",
+                tuple(y.shape),
+                f"{list(shape)}: one row per received row of the dispatch",
+            )
         if y.dtype != self.dtype:
             raise _fail(TypeError, "y.dtype", y.dtype, f"{self.dtype} (the Buffer's dtype)")
         return y
 
     def _combine(self, seq, op, parity, rows: torch.Tensor, handle: DispatchHandle):
-        self._transport.combine_send(seq & 0xFFFFFFFF, op, parity, rows.data_ptr(),
-                                     handle.recv_count.data_ptr(), handle.row_base.data_ptr())
+        self._transport.combine_send(
+            seq & 0xFFFFFFFF,
+            op,
+            parity,
+            rows.data_ptr(),
+            handle.recv_count.data_ptr(),
+            handle.row_base.data_ptr(),
+        )
         out = torch.empty(handle.num_tokens, self.hidden, dtype=self.dtype)
-        self._protocol(self._transport.combine_recv, seq & 0xFFFFFFFF, op, parity,
-                       self.timeout_s, handle.send_token.data_ptr(),
-                       handle.send_count.data_ptr(), handle.num_tokens, out.data_ptr())
+        self._protocol(
+            self._transport.combine_recv,
+            seq & 0xFFFFFFFF,
+            op,
+            parity,
+            self.timeout_s,
+            handle.send_token.data_ptr(),
+            handle.send_count.data_ptr(),
+            handle.num_tokens,
+            out.data_ptr(),
+        )
         self._record()
         return out
 
@@ -596,9 +740,14 @@ class Buffer:
         y = self._guard(seq, op, self._check_y, y, (self.num_local_experts, w * m, self.hidden))
         rows = torch.empty(w * m, self.hidden, dtype=self.dtype)
         self._transport.reduce_expert_major(
-            y.data_ptr(), handle.recv_count.data_ptr(), handle.expert_pos.data_ptr(),
-            handle.row_experts.data_ptr(), handle.row_weights.data_ptr(),
-            self.num_local_experts, rows.data_ptr())
+            y.data_ptr(),
+            handle.recv_count.data_ptr(),
+            handle.expert_pos.data_ptr(),
+            handle.row_experts.data_ptr(),
+            handle.row_weights.data_ptr(),
+            self.num_local_experts,
+            rows.data_ptr(),
+        )
         return self._combine(seq, op, parity, rows, handle)
 
 
@@ -612,4 +761,3 @@ def _release(transport, names: list[str]) -> None:
         return
     for name in names:
         native.ShmTransport.unlink_name(name)
-

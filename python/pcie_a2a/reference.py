@@ -84,7 +84,9 @@ def expert_forward_expert_major(
     return out
 
 
-def scale_expert(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+def scale_expert(
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+) -> torch.Tensor:
     """A cheap stand-in expert for benchmarks: ``y = x * sum_k w_k * (1 + id_k / 64)``."""
     ids = topk_ids.float()
     factor = torch.where(topk_ids >= 0, topk_weights * (1 + ids / 64), torch.zeros_like(ids))

@@ -1,0 +1,546 @@
+"""The CUDA transport (peer-to-peer over CUDA IPC, or staged through pinned host memory)
+behind ``Buffer(backend="cuda")``.
+
+NOT YET RUN ON A GPU: everything here and in ``csrc/cuda/transport`` has only been
+compiled; ``tests/test_cuda_transport.py`` and ``scripts/gpu_check.sh`` are the first
+check (see docs/cuda_transport.md).
+
+:class:`CudaTransport` has the methods the Buffer calls on the CPU ``ShmTransport``, with
+the same names and argument order, taking CUDA tensors (on this transport's device)
+where the CPU transport takes ``data_ptr()`` integers. Those methods synchronise where
+the CPU transport would block (``wait`` returns the counts on the host, ``combine_recv``
+raises a peer's failure). The ``*_async`` methods are the graph-capturable low-latency
+path: they only enqueue kernels on the current stream, keep the call number on the
+device, and report failures through the error word that :meth:`check` raises.
+
+Construction is collective over ``group`` (every rank constructs with the same
+arguments): IPC handles and the pair plan are exchanged with ``all_gather_object``.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import weakref
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pcie_a2a import env
+from pcie_a2a.placement import Placement
+
+P2P, STAGED = 0, 1
+_OP_DISPATCH, _OP_COMBINE, _OP_LL_DISPATCH, _OP_LL_COMBINE = 1, 2, 3, 4
+_FAMILY = {_OP_DISPATCH: 0, _OP_LL_DISPATCH: 0, _OP_COMBINE: 1, _OP_LL_COMBINE: 1}
+
+
+def native():
+    """The compiled module (ImportError when the build has no CUDA)."""
+    from pcie_a2a import _cuda_transport
+
+    return _cuda_transport
+
+
+def _ptr(t: torch.Tensor | int | None) -> int:
+    if t is None:
+        return 0
+    if isinstance(t, int):
+        return t
+    return t.data_ptr()
+
+
+def _release(tx: Any, names: list[str]) -> None:
+    if tx is not None:
+        tx.close()
+    try:
+        mod = native()
+    except ImportError:  # interpreter shutdown
+        return
+    for name in names:
+        mod.CudaTransport.unlink_name(name)
+
+
+def default_pair_plan(devices: list[int], p2p: bool | None) -> list[list[int]]:
+    """Transport of every ordered pair (sender, receiver): P2P or STAGED.
+
+    ``p2p`` is PCIE_A2A_P2P: False stages every pair through host memory, True forces P2P,
+    None uses P2P where CUDA reports peer access (always for ranks on one device).
+    The topology planner's per-pair decision can replace this via ``pair_transport``.
+    """
+    world = len(devices)
+    plan = [[P2P] * world for _ in range(world)]
+    for s in range(world):
+        for d in range(world):
+            if s == d:
+                continue
+            if p2p is False:
+                plan[s][d] = STAGED
+            elif p2p is None and devices[s] != devices[d]:
+                ok = torch.cuda.can_device_access_peer(devices[s], devices[d])
+                plan[s][d] = P2P if ok else STAGED
+    return plan
+
+
+class CudaTransport:
+    """CUDA dispatch/combine transport of one rank.
+
+    Args:
+        group: process group used to bootstrap (None: the default group).
+        rank, world: this rank and the group size.
+        hidden, max_tokens, num_topk: as in ``ShmTransport``.
+        payload: wire payload code (0 bf16, 1 fp16, 2 fp8); dtype: 0 bf16, 1 fp16.
+        placement: the :class:`Placement` (copied to the device once).
+        device: CUDA device index (default: the current device).
+        timeout_s: deadline of every device-side wait.
+        pair_transport: optional ``[world][world]`` of "p2p"/"staged" (or 0/1), sender
+            first, e.g. the topology planner's decision; default from PCIE_A2A_P2P.
+        send_order: optional ``[world][world]`` destination order per sender; default
+            ``rank + 1, rank + 2, ..., rank`` (ranks do not all start at rank 0).
+        staging_numa: optional NUMA node of this rank's host staging memory (default:
+            first-touch by this process).
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        rank: int,
+        world: int,
+        hidden: int,
+        max_tokens: int,
+        num_topk: int,
+        payload: int,
+        dtype: int,
+        placement: Placement,
+        *,
+        device: int | None = None,
+        timeout_s: float = 30.0,
+        pair_transport: list[list[Any]] | None = None,
+        send_order: list[list[int]] | None = None,
+        staging_numa: int | None = None,
+    ):
+        mod = native()
+        self._native = None
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank, self.world = rank, world
+        self.hidden, self.max_tokens, self.num_topk = hidden, max_tokens, num_topk
+        self.payload, self.dtype_code = payload, dtype
+        self.dtype = torch.bfloat16 if dtype == 0 else torch.float16
+        self.timeout_s = float(timeout_s)
+        self.device = torch.device(
+            "cuda", torch.cuda.current_device() if device is None else device
+        )
+        self.num_local_experts = placement.num_local_experts(rank)
+        self._seq = 0
+        self._calls = [0, 0]
+        self._dispatch_ticket: torch.Tensor | None = None
+        self._combine_ticket: torch.Tensor | None = None
+        self._last_counts: tuple[str, torch.Tensor] | None = None
+        self._counts = torch.zeros(world, dtype=torch.int32, device=self.device)
+
+        uid = f"{os.getpid()}_{secrets.token_hex(6)}"
+        gathered = self._gather((self.device.index, uid))
+        devices = [g[0] for g in gathered]
+        prefix = f"pcie_a2a.{gathered[0][1]}"
+        names = [mod.CudaTransport.segment_name(prefix, r) for r in range(world)]
+        if pair_transport is None:
+            plan = default_pair_plan(devices, env.p2p())
+        else:
+            code = {"p2p": P2P, "staged": STAGED, P2P: P2P, STAGED: STAGED}
+            plan = [[code[v] for v in row] for row in pair_transport]
+        for s in range(world):
+            plan[s][s] = P2P
+        self.pair_transport = plan
+        self.send_order = (
+            [list(o) for o in send_order]
+            if send_order is not None
+            else [[(s + i) % world for i in range(1, world + 1)] for s in range(world)]
+        )
+        need_host = any(plan[s][rank] == STAGED for s in range(world) if s != rank)
+
+        self._finalizer = weakref.finalize(self, _release, None, names)
+        tx, error = None, None
+        try:
+            tx = mod.CudaTransport(
+                prefix,
+                rank,
+                world,
+                hidden,
+                max_tokens,
+                num_topk,
+                payload,
+                dtype,
+                self.device.index,
+                self.num_local_experts,
+                need_host,
+                -1 if staging_numa is None else int(staging_numa),
+            )
+            handle = tx.ipc_handle()
+        except Exception as exc:  # reported to every rank below
+            error, handle = f"rank {rank}: {exc}", b""
+        self._finalizer.detach()
+        self._finalizer = weakref.finalize(self, _release, tx, names)
+        handles = self._check_all(error, "creating device and host regions", handle)
+        try:
+            tx.open_peers(
+                handles, plan[rank], [plan[s][rank] for s in range(world)], self.send_order[rank]
+            )
+            tx.set_placement(*placement.csr())
+        except Exception as exc:
+            error = f"rank {rank}: {exc}"
+        self._check_all(error, "opening peers")
+        tx.unlink_own()
+        self._native = tx
+        self.numa_warning = tx.numa_warning
+
+    # ---- bootstrap helpers -------------------------------------------------------------
+    def _gather(self, obj: Any) -> list:
+        out: list = [None] * self.world
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def _check_all(self, error: str | None, what: str, payload: Any = None) -> list:
+        gathered = self._gather((error, payload))
+        errors = [e for e, _ in gathered if e]
+        if errors:
+            self._finalizer()
+            raise RuntimeError(
+                f"CUDA transport bootstrap failed while {what}: " + "; ".join(errors)
+            )
+        return [p for _, p in gathered]
+
+    # ---- lifecycle ---------------------------------------------------------------------
+    def close(self) -> None:
+        """Frees device memory, IPC mappings and host segments. Collective in spirit:
+        call it on every rank after the last call has completed everywhere."""
+        self._native = None
+        self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        return self._native is None
+
+    def _tx(self):
+        if self._native is None:
+            raise RuntimeError("this CUDA transport is closed")
+        return self._native
+
+    def check(self) -> None:
+        """Raises what a kernel recorded (PeerTimeoutError, PeerAbortedError, PeerError)."""
+        self._tx().check()
+
+    def _stream(self) -> int:
+        return torch.cuda.current_stream(self.device).cuda_stream
+
+    def new_ticket(self) -> torch.Tensor:
+        """A device CallTicket (one per call in flight; keep it alive with the handle)."""
+        return torch.zeros(4, dtype=torch.int32, device=self.device)
+
+    def _advance(self, seq: int | None, op: int, parity: int | None) -> None:
+        fam = _FAMILY[op]
+        self._seq += 1
+        self._calls[fam] += 1
+        if seq is not None and (seq != self._seq or parity not in (None, self._calls[fam] & 1)):
+            raise RuntimeError(
+                f"CUDA transport out of step: call {seq} (parity {parity}) but the device "
+                f"counts call {self._seq} (parity {self._calls[fam] & 1})"
+            )
+
+    # ---- graph-capturable (async) low-latency API ----------------------------------------
+    def dispatch_send_async(self, ticket, op, x, topk_ids, topk_weights, send_token, send_count):
+        """Begins a dispatch call and pushes one row per (token, destination rank).
+        topk_ids int32 [T, k], topk_weights fp32 [T, k]; outputs send_token int32
+        [world * max_tokens], send_count int32 [world]."""
+        self._launch_dispatch(ticket, op, x, topk_ids, topk_weights, send_token, send_count)
+        self._advance(None, op, None)  # after the launch: a refused call consumes no number
+
+    def _launch_dispatch(self, ticket, op, x, topk_ids, topk_weights, send_token, send_count):
+        self._tx().dispatch_send(
+            _ptr(ticket),
+            op,
+            _ptr(x),
+            x.shape[0],
+            _ptr(topk_ids),
+            _ptr(topk_weights),
+            topk_ids.shape[1],
+            _ptr(send_token),
+            _ptr(send_count),
+            self._stream(),
+        )
+        self._last_counts = ("send", send_count)
+
+    def recv_rows_async(
+        self,
+        ticket,
+        counts,
+        x_out,
+        fp8_out,
+        scales_out,
+        src_rank,
+        src_token,
+        topk_ids,
+        topk_weights,
+        expert_count,
+        *,
+        wait=True,
+        row_base=None,
+    ):
+        """Rows layout. wait=True (low latency): acquires each flag on the device, writes
+        counts [world]; outputs [world * max_tokens, ...]. wait=False: counts come from
+        :meth:`wait` and row_base int64 [world] gives compacted output rows."""
+        self._tx().unpack_rows(
+            _ptr(ticket),
+            wait,
+            _ptr(counts),
+            _ptr(row_base),
+            _ptr(x_out),
+            _ptr(fp8_out),
+            _ptr(scales_out),
+            _ptr(src_rank),
+            _ptr(src_token),
+            _ptr(topk_ids),
+            _ptr(topk_weights),
+            _ptr(expert_count),
+            self.timeout_s,
+            self._stream(),
+        )
+
+    def recv_expert_major_async(
+        self,
+        ticket,
+        counts,
+        x_out,
+        fp8_out,
+        scales_out,
+        expert_count,
+        src_info,
+        layout_range,
+        expert_pos,
+        row_experts,
+        row_weights,
+    ):
+        """Expert-major layout ``[E_local, world * max_tokens, H]`` (DeepEP LL layout)."""
+        self._tx().unpack_expert_major(
+            _ptr(ticket),
+            _ptr(counts),
+            _ptr(x_out),
+            _ptr(fp8_out),
+            _ptr(scales_out),
+            _ptr(expert_count),
+            _ptr(src_info),
+            _ptr(layout_range),
+            _ptr(expert_pos),
+            _ptr(row_experts),
+            _ptr(row_weights),
+            self.timeout_s,
+            self._stream(),
+        )
+
+    def combine_send_async(
+        self,
+        ticket,
+        op,
+        y,
+        recv_count,
+        row_base=None,
+        expert_pos=None,
+        row_experts=None,
+        row_weights=None,
+    ):
+        """Begins a combine call. Rows layout: y rows (row_base None: [world * max_tokens]).
+        Expert-major (expert_pos given): y [E_local, world * max_tokens, H] unweighted; the
+        weighted fp32 pre-reduction is fused into the push."""
+        self._launch_combine(
+            ticket, op, y, recv_count, row_base, expert_pos, row_experts, row_weights
+        )
+        self._advance(None, op, None)
+
+    def _launch_combine(
+        self, ticket, op, y, recv_count, row_base, expert_pos, row_experts, row_weights
+    ):
+        self._tx().combine_send(
+            _ptr(ticket),
+            op,
+            _ptr(y),
+            _ptr(recv_count),
+            _ptr(row_base),
+            _ptr(expert_pos),
+            _ptr(row_experts),
+            _ptr(row_weights),
+            self._stream(),
+        )
+        self._last_counts = ("recv", recv_count)
+
+    def combine_recv_async(self, ticket, send_token, send_count, num_tokens, out):
+        self._tx().combine_recv(
+            _ptr(ticket),
+            _ptr(send_token),
+            _ptr(send_count),
+            num_tokens,
+            _ptr(out),
+            self.timeout_s,
+            self._stream(),
+        )
+
+    # ---- the ShmTransport interface (what Buffer calls) ----------------------------------
+    def dispatch_send(
+        self,
+        seq,
+        op,
+        parity,
+        x,
+        num_tokens,
+        topk_ids,
+        topk_weights,
+        topk,
+        placement,
+        send_token,
+        send_count,
+    ) -> None:
+        del placement  # the device copy from construction is used
+        if num_tokens != x.shape[0] or topk != topk_ids.shape[1]:
+            raise ValueError("num_tokens/topk disagree with the tensors")
+        self._tx().check()
+        self._dispatch_ticket = self.new_ticket()
+        self._launch_dispatch(
+            self._dispatch_ticket, op, x, topk_ids, topk_weights, send_token, send_count
+        )
+        self._advance(seq, op, parity)
+
+    def wait(self, seq, op, timeout_s) -> list[int]:
+        """Host-synchronising wait for the current dispatch call's flags (normal mode)."""
+        del seq, op
+        tx = self._tx()
+        tx.wait_counts(
+            _ptr(self._dispatch_ticket), _ptr(self._counts), float(timeout_s), self._stream()
+        )
+        counts = self._counts.tolist()  # synchronises the stream
+        tx.check()
+        return counts
+
+    def abort(self, seq, op) -> None:
+        ticket = self.new_ticket()
+        self._tx().abort(_ptr(ticket), op, _FAMILY[op], self._stream())
+        self._advance(seq, op, None)
+        if _FAMILY[op] == 0:
+            self._dispatch_ticket = ticket
+        else:
+            self._combine_ticket = ticket
+
+    def unpack_rows(
+        self,
+        parity,
+        counts,
+        row_base,
+        x_out,
+        fp8_out,
+        scales_out,
+        src_rank,
+        src_token,
+        topk_ids,
+        topk_weights,
+        num_local_experts,
+        expert_count,
+    ) -> None:
+        del parity, num_local_experts
+        self.recv_rows_async(
+            self._dispatch_ticket,
+            counts,
+            x_out,
+            fp8_out,
+            scales_out,
+            src_rank,
+            src_token,
+            topk_ids,
+            topk_weights,
+            expert_count,
+            wait=False,
+            row_base=row_base,
+        )
+
+    def unpack_expert_major(
+        self,
+        parity,
+        counts,
+        num_local_experts,
+        x_out,
+        fp8_out,
+        scales_out,
+        expert_count,
+        src_info,
+        layout_range,
+        expert_pos,
+        row_experts,
+        row_weights,
+    ) -> None:
+        del parity, num_local_experts
+        self.recv_expert_major_async(
+            self._dispatch_ticket,
+            counts,
+            x_out,
+            fp8_out,
+            scales_out,
+            expert_count,
+            src_info,
+            layout_range,
+            expert_pos,
+            row_experts,
+            row_weights,
+        )
+
+    def combine_send(self, seq, op, parity, y, counts, row_base) -> None:
+        self._tx().check()
+        self._combine_ticket = self.new_ticket()
+        self._launch_combine(self._combine_ticket, op, y, counts, row_base, None, None, None)
+        self._advance(seq, op, parity)
+
+    def reduce_expert_major(
+        self, y, counts, expert_pos, row_experts, row_weights, num_local_experts, rows_out
+    ) -> None:
+        del num_local_experts
+        self._tx().reduce_expert_major(
+            _ptr(y),
+            _ptr(counts),
+            _ptr(expert_pos),
+            _ptr(row_experts),
+            _ptr(row_weights),
+            _ptr(rows_out),
+            self._stream(),
+        )
+
+    def combine_recv(
+        self,
+        seq,
+        op,
+        parity,
+        timeout_s,
+        send_token,
+        send_count,
+        num_tokens,
+        out,
+        *,
+        sync: bool = True,
+    ) -> None:
+        del seq, op, parity
+        tx = self._tx()
+        tx.combine_recv(
+            _ptr(self._combine_ticket),
+            _ptr(send_token),
+            _ptr(send_count),
+            num_tokens,
+            _ptr(out),
+            float(timeout_s),
+            self._stream(),
+        )
+        if sync:
+            torch.cuda.current_stream(self.device).synchronize()
+            tx.check()
+
+    def last_bytes(self) -> list[int]:
+        """Bytes this rank pushed into each rank's segment in the last send (synchronises)."""
+        if self._last_counts is None:
+            return [0] * self.world
+        kind, counts = self._last_counts
+        tx = self._tx()
+        slot = tx.dispatch_slot_bytes if kind == "send" else tx.combine_slot_bytes
+        return [int(n) * slot + 16 for n in counts.tolist()]

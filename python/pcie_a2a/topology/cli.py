@@ -1,0 +1,103 @@
+"""``pcie-a2a topo``: the topology, the per-pair plan, the staging placement, the send
+schedule and the predicted Kimi K2 decode all-to-all time."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .errors import TopologyError
+from .live import discover
+from .planner import PlanOptions, expected_distinct_ranks, kimi_k2_decode, plan
+from .probe import ProbeUnavailable, load_probe, measure
+from .render import format_plan, format_tree
+from .sources import current, load
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "topo",
+        help="show the GPU topology and the transfer plan",
+        description=__doc__,
+    )
+    p.add_argument(
+        "--from",
+        dest="source",
+        metavar="FILE",
+        help="nvidia-smi topo -m text, NCCL topology XML or pcie_a2a JSON (default: PCIE_A2A_TOPO_FILE, else this machine)",
+    )
+    p.add_argument("--json", action="store_true", help="print the topology and the plan as JSON")
+    p.add_argument(
+        "--probe", action="store_true", help="measure every GPU pair on this machine (needs GPUs)"
+    )
+    p.add_argument(
+        "--probe-file",
+        metavar="FILE",
+        help="measured numbers: pcie_a2a probe JSON or p2pBandwidthLatencyTest output",
+    )
+    p.add_argument(
+        "--link-gen",
+        type=int,
+        default=4,
+        metavar="N",
+        help="PCIe generation to assume where the source does not say (default 4)",
+    )
+    p.add_argument(
+        "--tokens",
+        type=int,
+        default=128,
+        metavar="N",
+        help="decode tokens per rank for the Kimi K2 prediction (default 128)",
+    )
+    p.add_argument("--save", metavar="FILE", help="also write the plan as JSON to FILE")
+    p.add_argument("--sysfs", default="/sys", help=argparse.SUPPRESS)
+    p.set_defaults(func=run)
+    return p
+
+
+def _fail(msg: str) -> int:
+    print(f"pcie-a2a topo: error: {msg}", file=sys.stderr)
+    return 2
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        probe = None
+        if args.probe:
+            try:
+                probe = measure()
+            except ProbeUnavailable as exc:
+                return _fail(f"{exc}; no numbers were measured (use --probe-file for saved ones)")
+        elif args.probe_file:
+            probe = load_probe(args.probe_file)
+        if args.source:
+            topo = load(args.source)
+        else:
+            topo = current(args.sysfs) if args.sysfs == "/sys" else discover(args.sysfs)
+        options = PlanOptions.from_env(probe=probe, default_link_gen=args.link_gen)
+        n = topo.num_gpus
+        traffic = kimi_k2_decode(n, args.tokens) if n >= 2 and 384 % n == 0 else ()
+        result = plan(topo, traffic, options)
+    except (TopologyError, ValueError, OSError) as exc:
+        return _fail(str(exc))
+    if args.save:
+        with open(args.save, "w", encoding="utf-8") as f:
+            f.write(result.to_json())
+    if args.json:
+        doc = {"topology": topo.to_dict(), "plan": json.loads(result.to_json())}
+        print(json.dumps(doc, indent=1))
+        return 0
+    note = ""
+    if traffic:
+        k = expected_distinct_ranks(n, 384, 8)
+        note = (
+            f"Kimi K2 decode step: hidden 7168, 384 experts, top-8, {args.tokens} tokens per "
+            f"rank, uniform routing: a token goes to E[distinct ranks] = {k:.2f} of {n} ranks"
+        )
+    print(format_tree(topo))
+    print()
+    print(format_plan(result, note))
+    if not traffic and n >= 2:
+        print(f"\nno Kimi K2 prediction: its 384 experts do not split evenly over {n} GPUs")
+    return 0
