@@ -87,6 +87,14 @@ def _run_case(rank, world, case, seed):
             res = buf.dispatch(xs[rank], ids[rank], ws[rank])
             _check_rows(res, exp, payload, xs)
             assert res.tokens_per_expert_list == exp.tokens_per_expert
+            if payload == "fp8":  # the same rows again, as raw e4m3 bytes and scales
+                raw = buf.dispatch(xs[rank], ids[rank], ws[rank], return_fp8=True)
+                assert raw.x.dtype == torch.float8_e4m3fn
+                orig = [xs[s][t] for s, t in zip(exp.src_rank.tolist(), exp.src_token.tolist())]
+                if orig:
+                    q, scales = ref.quantize_fp8(torch.stack(orig))
+                    assert torch.equal(raw.x.view(torch.uint8), q.view(torch.uint8))
+                    assert torch.equal(raw.x_scales, scales)
             y = ref.expert_forward(res.x, res.topk_ids, res.topk_weights, w13, w2)
             out = buf.combine(y, res.handle)
         elif mode == "ll_rows":

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from pcie_a2a.topology import Plan, format_plan
 from pcie_a2a.topology import cli as topo_cli
 

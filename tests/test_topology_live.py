@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
+
 from pcie_a2a.topology import P2PStatus, PlanOptions, discover, live, plan
 
 

@@ -8,6 +8,7 @@ import filecmp
 from pathlib import Path
 
 import pytest
+
 from pcie_a2a.topology import (
     P2PStatus,
     Topology,

@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 import pytest
+
 from pcie_a2a.topology import (
     P2PStatus,
     Plan,
