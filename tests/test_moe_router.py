@@ -19,7 +19,7 @@ def sig(v: float) -> float:
 
 
 def by_id(ids: torch.Tensor, w: torch.Tensor) -> dict[int, float]:
-    return {int(i): float(x) for i, x in zip(ids.tolist(), w.tolist())}
+    return {int(i): float(x) for i, x in zip(ids.tolist(), w.tolist(), strict=True)}
 
 
 def check(router: Router, logits: list[float], expected: dict[int, float], tol: float = 1e-6):
@@ -43,8 +43,15 @@ DS_BIAS = [0.0, 0.0, 0.0, 0.0, 0.0, 0.5, 0.0, -0.8]
 
 
 def ds_router(**kw) -> Router:
-    args = dict(scoring="sigmoid", n_group=4, topk_group=2, correction_bias=True,
-                renormalize=True, routed_scaling_factor=2.5, dtype=torch.float32)
+    args = dict(
+        scoring="sigmoid",
+        n_group=4,
+        topk_group=2,
+        correction_bias=True,
+        renormalize=True,
+        routed_scaling_factor=2.5,
+        dtype=torch.float32,
+    )
     args.update(kw)
     r = Router(4, 8, 2, **args)
     r.e_score_correction_bias.data.copy_(torch.tensor(DS_BIAS))
@@ -57,8 +64,11 @@ def test_deepseek_v3_grouped_topk_bias_selects_unbiased_weights():
 
 
 def test_deepseek_v3_without_renormalisation_scales_raw_scores():
-    check(ds_router(renormalize=False, routed_scaling_factor=2.0), DS_LOGITS,
-          {5: 2.0 * sig(0.4), 2: 2.0 * sig(1.0)})
+    check(
+        ds_router(renormalize=False, routed_scaling_factor=2.0),
+        DS_LOGITS,
+        {5: 2.0 * sig(0.4), 2: 2.0 * sig(1.0)},
+    )
 
 
 def test_kimi_k2_single_group_is_plain_biased_topk():
@@ -146,25 +156,58 @@ def test_bad_top_k_and_input():
 
 
 KIMI = {
-    "model_type": "kimi_k2", "hidden_size": 7168, "n_routed_experts": 384,
-    "num_experts_per_tok": 8, "moe_intermediate_size": 2048, "n_shared_experts": 1,
-    "scoring_func": "sigmoid", "topk_method": "noaux_tc", "n_group": 1, "topk_group": 1,
-    "norm_topk_prob": True, "routed_scaling_factor": 2.827, "first_k_dense_replace": 1,
+    "model_type": "kimi_k2",
+    "hidden_size": 7168,
+    "n_routed_experts": 384,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 2048,
+    "n_shared_experts": 1,
+    "scoring_func": "sigmoid",
+    "topk_method": "noaux_tc",
+    "n_group": 1,
+    "topk_group": 1,
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 2.827,
+    "first_k_dense_replace": 1,
     "moe_layer_freq": 1,
 }
-DEEPSEEK_V3 = dict(KIMI, model_type="deepseek_v3", n_routed_experts=256, n_group=8,
-                   topk_group=4, routed_scaling_factor=2.5, first_k_dense_replace=3)
-QWEN3 = {"model_type": "qwen3_moe", "hidden_size": 2048, "num_experts": 128,
-         "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": True,
-         "decoder_sparse_step": 1, "mlp_only_layers": []}
-MIXTRAL = {"model_type": "mixtral", "hidden_size": 4096, "num_local_experts": 8,
-           "num_experts_per_tok": 2, "intermediate_size": 14336}
+DEEPSEEK_V3 = dict(
+    KIMI,
+    model_type="deepseek_v3",
+    n_routed_experts=256,
+    n_group=8,
+    topk_group=4,
+    routed_scaling_factor=2.5,
+    first_k_dense_replace=3,
+)
+QWEN3 = {
+    "model_type": "qwen3_moe",
+    "hidden_size": 2048,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 768,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+}
+MIXTRAL = {
+    "model_type": "mixtral",
+    "hidden_size": 4096,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+    "intermediate_size": 14336,
+}
 
 
 def test_configs_give_the_published_router_settings():
     k = parse_config(KIMI)
     assert (k.num_experts, k.top_k, k.scoring, k.n_group, k.correction_bias) == (
-        384, 8, "sigmoid", None, True)
+        384,
+        8,
+        "sigmoid",
+        None,
+        True,
+    )
     assert k.renormalize and k.routed_scaling_factor == 2.827 and k.shared_intermediate == 2048
     assert k.prefix(None) == "model.layers.1.mlp."
     d = parse_config(DEEPSEEK_V3)
@@ -174,7 +217,11 @@ def test_configs_give_the_published_router_settings():
         d.prefix(0)  # a dense layer
     q = parse_config(QWEN3)
     assert (q.scoring, q.renormalize, q.shared_intermediate, q.correction_bias) == (
-        "softmax", True, 0, False)
+        "softmax",
+        True,
+        0,
+        False,
+    )
     m = parse_config(MIXTRAL)
     assert m.renormalize and m.proj_names == ("w1", "w3", "w2")
     assert m.prefix(5) == "model.layers.5.block_sparse_moe."

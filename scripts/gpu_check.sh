@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# Builds pcie_a2a for the local GPU and runs every GPU test plus a short benchmark; prints
+# a summary table last. Budget: under 8 minutes on one GPU (build ~2-3 min, tests ~3 min,
+# bench <= 2 min). Exit status: non-zero when the build or any GPU test failed.
+#   scripts/gpu_check.sh              # build in build/gpu-check, run everything
+#   SKIP_BUILD=1 scripts/gpu_check.sh # reuse the modules already in python/pcie_a2a
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
+log_dir=${LOG_DIR:-build/gpu-check-logs}
+mkdir -p "$log_dir"
+declare -a rows=()
+status=0
+row() { rows+=("$(printf '%-34s %-8s %8s  %s' "$1" "$2" "$3" "$4")"); }
+now() { date +%s; }
+
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null \
+  | head -1 > "$log_dir/gpu.txt" || echo "no nvidia-smi" > "$log_dir/gpu.txt"
+
+# ---- build (native SASS for this GPU only) ------------------------------------------------
+t0=$(now)
+if [[ "${SKIP_BUILD:-0}" != 1 ]]; then
+  if BUILD=${BUILD:-build/gpu-check} PCIE_A2A_WITH_CUDA=1 PCIE_A2A_CUDA_ARCHS=native \
+      JOBS=${JOBS:-$(nproc)} timeout 300 scripts/dev_build.sh > "$log_dir/build.log" 2>&1; then
+    row "build (archs=native)" ok "$(( $(now) - t0 ))s" ""
+  else
+    row "build (archs=native)" FAIL "$(( $(now) - t0 ))s" "see $log_dir/build.log"
+    status=1
+  fi
+else
+  row "build" skipped "0s" "SKIP_BUILD=1"
+fi
+
+# ---- GPU tests ---------------------------------------------------------------------------
+run_pytest() {  # name, timeout, pytest args...
+  local name=$1 limit=$2
+  shift 2
+  local t=$(now) log="$log_dir/${name//[^a-zA-Z0-9_]/_}.log"
+  timeout "$limit" python -m pytest -m gpu -q -p no:cacheprovider "$@" > "$log" 2>&1
+  local rc=$?
+  local tail_line
+  tail_line=$(grep -E "passed|failed|skipped|error" "$log" | tail -1)
+  if [[ $rc -eq 0 && "$tail_line" != *passed* ]]; then
+    row "$name" SKIPPED "$(( $(now) - t ))s" "$tail_line (nothing ran: no GPU or no CUDA build?)"
+    [[ "$name" == *"cuda transport"* ]] && status=1
+  elif [[ $rc -eq 0 ]]; then
+    row "$name" ok "$(( $(now) - t ))s" "$tail_line"
+  else
+    [[ $rc -eq 124 ]] && tail_line="TIMEOUT after ${limit}s"
+    row "$name" FAIL "$(( $(now) - t ))s" "$tail_line ($log)"
+    status=1
+  fi
+}
+if [[ $status -eq 0 ]]; then
+  run_pytest "pytest -m gpu: cuda transport" 240 tests/test_cuda_transport.py
+  others=$(grep -l "mark.gpu" tests/*.py 2>/dev/null | grep -v test_cuda_transport.py | tr '\n' ' ')
+  if [[ -n "$others" ]]; then
+    # shellcheck disable=SC2086
+    run_pytest "pytest -m gpu: other files" 120 $others
+  fi
+fi
+
+# ---- short benchmark (pcie-a2a bench vs NCCL all_to_all_single) ----------------------------
+# NCCL cannot put two ranks on one GPU, so on a one-GPU machine only our path runs.
+t=$(now)
+ngpu=$(python -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+if python -c 'import pcie_a2a.bench.cli' > /dev/null 2>&1; then
+  if timeout 120 python -m pcie_a2a bench --help > "$log_dir/bench_help.txt" 2>&1 \
+      && grep -q -- "--backend" "$log_dir/bench_help.txt"; then
+    world=$(( ngpu >= 2 ? (ngpu > 8 ? 8 : ngpu) : 2 ))
+    if timeout 120 python -m pcie_a2a bench --backend cuda --world "$world" \
+        > "$log_dir/bench.log" 2>&1; then
+      row "bench (world=$world, gpus=$ngpu)" ok "$(( $(now) - t ))s" "$(tail -1 "$log_dir/bench.log")"
+    else
+      row "bench (world=$world, gpus=$ngpu)" FAIL "$(( $(now) - t ))s" "see $log_dir/bench.log"
+    fi
+  else
+    row "bench" skipped "0s" "pcie-a2a bench has no --backend option yet"
+  fi
+else
+  row "bench" skipped "0s" "pcie_a2a.bench is not in this tree yet"
+fi
+
+# ---- summary (last) ----------------------------------------------------------------------
+echo
+echo "pcie_a2a GPU check on: $(cat "$log_dir/gpu.txt")"
+printf '%-34s %-8s %8s  %s\n' "step" "result" "time" "detail"
+printf '%s\n' "${rows[@]}"
+exit $status
