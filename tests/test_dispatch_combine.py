@@ -11,6 +11,8 @@ All cases of one world size run inside one spawned group (spawning costs seconds
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -60,7 +62,35 @@ def _check_rows(res, exp, payload, x_by_source, rows_slice=None):
         assert bool(((res.x.float() - orig).abs() <= bound + 1e-30).all())
 
 
-def _run_case(rank, world, case, seed):
+def _cpu(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.cpu()
+    if isinstance(obj, tuple):
+        return tuple(_cpu(o) for o in obj)
+    if dataclasses.is_dataclass(obj) and type(obj).__name__ == "DispatchResult":
+        moved = {f.name: _cpu(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        return dataclasses.replace(obj, **(moved | {"handle": obj.handle}))
+    return obj
+
+
+class _OnDevice:
+    """Runs a Buffer on its device while the test compares on the CPU."""
+
+    def __init__(self, buf):
+        self.buf = buf
+
+    def __getattr__(self, name):
+        fn = getattr(self.buf, name)
+
+        def call(*args, **kwargs):
+            dev = self.buf.device
+            args = [a.to(dev) if isinstance(a, torch.Tensor) else a for a in args]
+            return _cpu(fn(*args, **kwargs))
+
+        return call
+
+
+def _run_case(rank, world, case, seed, backend="cpu"):
     import pcie_a2a
     from pcie_a2a import reference as ref
 
@@ -71,7 +101,10 @@ def _run_case(rank, world, case, seed):
     expected = ref.reference_dispatch(xs, ids, ws, pl, M, K, payload)
     exp = expected[rank]
     w13, w2 = _expert_weights(pl, rank)
-    with pcie_a2a.Buffer(None, E, H, M, payload=payload, placement=pl, num_topk=K) as buf:
+    with pcie_a2a.Buffer(
+        None, E, H, M, payload=payload, placement=pl, num_topk=K, backend=backend
+    ) as real_buf:
+        buf = _OnDevice(real_buf)
         per_rank, per_expert, in_rank = buf.get_dispatch_layout(ids[rank])
         exp_in_rank = torch.zeros(ids[rank].shape[0], world, dtype=torch.bool)
         for t in range(ids[rank].shape[0]):
@@ -164,11 +197,13 @@ def _run_case(rank, world, case, seed):
     return name
 
 
-def _all_cases(rank, world):
+def _all_cases(rank, world, backend="cpu"):
+    if backend == "cuda":
+        torch.cuda.set_device(0)  # every rank shares GPU 0: the IPC path
     done = []
     for i, case in enumerate(CASES):
         try:
-            done.append(_run_case(rank, world, case, seed=1000 * world + i))
+            done.append(_run_case(rank, world, case, seed=1000 * world + i, backend=backend))
         except AssertionError as exc:
             raise AssertionError(f"case {case[0]} (world {world}): {exc}") from exc
     return done
@@ -177,4 +212,16 @@ def _all_cases(rank, world):
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_dispatch_combine_matches_reference(world):
     results = run_ok(world, _all_cases, timeout=300)
+    assert all(r == [c[0] for c in CASES] for r in results)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [2, 4])
+def test_cuda_buffer_matches_reference(world):
+    """The same table through Buffer(backend="cuda"), ranks sharing GPU 0 over IPC."""
+    import pcie_a2a
+
+    if not pcie_a2a.cuda_available():
+        pytest.skip(pcie_a2a.cuda_unavailable_reason())
+    results = run_ok(world, _all_cases, "cuda", timeout=600)
     assert all(r == [c[0] for c in CASES] for r in results)

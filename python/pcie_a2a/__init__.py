@@ -11,8 +11,10 @@ Quick start (every rank, after ``torch.distributed.init_process_group``)::
 
 from pcie_a2a._native import cuda_available, cuda_unavailable_reason
 from pcie_a2a.buffer import Buffer, DispatchHandle, DispatchResult
+from pcie_a2a.moe import MoE, Router
 from pcie_a2a.placement import Placement
 from pcie_a2a.reference import expert_forward
+from pcie_a2a.topology import plan
 
 __version__ = "0.1.0"
 
@@ -26,20 +28,18 @@ def _errors():
 
 PeerError, PeerTimeoutError, PeerAbortedError = _errors()
 
-try:  # the topology planner (pure Python) is optional in partial builds
-    from pcie_a2a.topology import plan  # noqa: F401
-except ImportError:  # pragma: no cover
-    pass
-
 __all__ = [
     "Buffer",
     "DispatchHandle",
     "DispatchResult",
+    "MoE",
     "PeerAbortedError",
     "PeerError",
     "PeerTimeoutError",
     "Placement",
+    "Router",
     "cuda_available",
     "cuda_unavailable_reason",
     "expert_forward",
+    "plan",
 ]

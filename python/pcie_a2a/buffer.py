@@ -168,6 +168,11 @@ class Buffer:
                 f"{num_experts} experts on {self.world} ranks",
             )
         self.backend = self._choose_backend(backend)
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if self.backend == "cuda"
+            else torch.device("cpu")
+        )
         self.num_experts = num_experts
         self.hidden = hidden
         self.max_tokens_per_rank = max_tokens_per_rank
@@ -190,11 +195,11 @@ class Buffer:
         if backend not in ("auto", "cpu", "cuda"):
             raise _fail(ValueError, "backend", repr(backend), "'auto', 'cpu', 'cuda'")
         if backend == "auto":
-            backend = env.backend() or "cpu"
-        if backend == "cuda":
+            backend = env.backend() or ("cuda" if _native.cuda_available() else "cpu")
+        if backend == "cuda" and not _native.cuda_available():
             raise ValueError(
-                "backend='cuda': the CUDA transport is not part of this release yet "
-                f"(cuda_available()={_native.cuda_available()}); use backend='cpu'"
+                f"backend='cuda' is not available here: {_native.cuda_unavailable_reason()}; "
+                "use backend='cpu'"
             )
         return backend
 
@@ -228,7 +233,36 @@ class Buffer:
                     f"Buffer argument {key!r} differs between ranks: {shown}; "
                     "every rank must pass the same value"
                 )
-        prefix = f"pcie_a2a.{gathered[0][1]}"
+        if self.backend == "cuda":
+            self._bootstrap_cuda()
+        else:
+            self._bootstrap_shm(native, f"pcie_a2a.{gathered[0][1]}")
+        self._closed = False
+
+    def _bootstrap_cuda(self) -> None:
+        # NOT YET RUN ON A GPU (see docs/cuda_transport.md). Eager calls only: the
+        # graph-capturable path is CudaTransport's *_async methods.
+        from pcie_a2a.cuda_backend import CudaTransport
+
+        transport = CudaTransport(
+            self.group,
+            self.rank,
+            self.world,
+            self.hidden,
+            self.max_tokens_per_rank,
+            self.num_topk,
+            _PAYLOADS[self.payload],
+            _DTYPES[self.dtype],
+            self.placement,
+            device=self.device.index,
+            timeout_s=self.timeout_s,
+        )
+        self._finalizer = weakref.finalize(self, transport.close)
+        if transport.numa_warning:
+            warnings.warn(f"pcie_a2a rank {self.rank}: {transport.numa_warning}", stacklevel=4)
+        self._transport = transport
+
+    def _bootstrap_shm(self, native, prefix: str) -> None:
         names = [native.ShmTransport.segment_name(prefix, r) for r in range(self.world)]
         self._finalizer = weakref.finalize(self, _release, None, names)
         code = {"bf16": 0, "fp16": 1, "fp8": 2}[self.payload]
@@ -256,9 +290,8 @@ class Buffer:
         self._check_all(error, "attaching peers")
         transport.unlink_own()  # everyone has mapped it: the name is no longer needed
         if transport.numa_warning:
-            warnings.warn(f"pcie_a2a rank {self.rank}: {transport.numa_warning}", stacklevel=3)
-        self._transport = transport
-        self._closed = False
+            warnings.warn(f"pcie_a2a rank {self.rank}: {transport.numa_warning}", stacklevel=4)
+        self._transport = _HostPointers(transport)
 
     def _check_all(self, error: str | None, what: str) -> None:
         errors = [e for e in self._gather(error) if e]
@@ -304,8 +337,8 @@ class Buffer:
             "total_bytes_per_rank": list(s.total),
             "last_wire_bytes": sum(b for r, b in enumerate(s.last) if r != me),
             "total_wire_bytes": sum(b for r, b in enumerate(s.total) if r != me),
-            "numa_node": self._transport.numa_node if self._transport else -1,
-            "numa_bound": bool(self._transport and self._transport.numa_bound),
+            "numa_node": getattr(self._transport, "numa_node", -1),
+            "numa_bound": bool(getattr(self._transport, "numa_bound", False)),
         }
 
     def _record(self) -> None:
@@ -321,7 +354,7 @@ class Buffer:
         """(num_tokens_per_rank [world] int32, num_tokens_per_expert [E] int32,
         is_token_in_rank [T, world] bool), as in DeepEP. Local: no communication."""
         self._check_usable()
-        ids = self._check_topk_ids(topk_ids, None)
+        ids = self._check_topk_ids(topk_ids, None).cpu()  # host index math, any backend
         t = ids.shape[0]
         per_rank = torch.empty(self.world, dtype=torch.int32)
         per_expert = torch.empty(self.num_experts, dtype=torch.int32)
@@ -338,7 +371,8 @@ class Buffer:
             per_expert.data_ptr(),
             in_rank.data_ptr(),
         )
-        return per_rank, per_expert, in_rank.bool()
+        dev = self.device
+        return per_rank.to(dev), per_expert.to(dev), in_rank.bool().to(dev)
 
     def _placement_table(self):
         if not hasattr(self, "_placement_native"):
@@ -349,12 +383,12 @@ class Buffer:
     def _check_tensor(self, t: Any, name: str) -> torch.Tensor:
         if not isinstance(t, torch.Tensor):
             raise _fail(TypeError, name, type(t).__name__, "a torch.Tensor")
-        if t.device.type != "cpu":
+        if t.device != self.device:
             raise _fail(
                 ValueError,
                 f"{name}.device",
                 t.device,
-                f"cpu (this Buffer uses the {self.backend} backend)",
+                f"{self.device} (this Buffer uses the {self.backend} backend)",
             )
         if not t.is_contiguous():
             raise _fail(
@@ -473,23 +507,28 @@ class Buffer:
         ids = self._guard(seq, op, self._check_topk_ids, topk_ids, x.shape[0])
         w = self._guard(seq, op, self._check_weights, topk_weights, ids).contiguous()
         m = self.max_tokens_per_rank
-        send_token = torch.empty(self.world * m, dtype=torch.int32)
-        send_count = torch.empty(self.world, dtype=torch.int32)
+        send_token = torch.empty(self.world * m, dtype=torch.int32, device=self.device)
+        send_count = torch.empty(self.world, dtype=torch.int32, device=self.device)
         self._transport.dispatch_send(
             seq & 0xFFFFFFFF,
             op,
             parity,
-            x.data_ptr(),
+            x,
             x.shape[0],
-            ids.data_ptr(),
-            w.data_ptr(),
+            ids,
+            w,
             ids.shape[1],
-            self._placement_table(),
-            send_token.data_ptr(),
-            send_count.data_ptr(),
+            None if self.backend == "cuda" else self._placement_table(),
+            send_token,
+            send_count,
         )
         counts = self._protocol(self._transport.wait, seq & 0xFFFFFFFF, op, self.timeout_s)
-        return x.shape[0], send_token, send_count, torch.tensor(counts, dtype=torch.int32)
+        return (
+            x.shape[0],
+            send_token,
+            send_count,
+            torch.tensor(counts, dtype=torch.int32, device=self.device),
+        )
 
     def _check_options(self, layout: str, return_fp8: bool) -> None:
         if layout not in _LAYOUTS:
@@ -499,11 +538,11 @@ class Buffer:
 
     def _payload_outputs(self, shape: tuple[int, ...], return_fp8: bool):
         if return_fp8:
-            q = torch.empty(*shape, self.hidden, dtype=torch.uint8)
-            s = torch.empty(*shape, self.hidden // 128, dtype=torch.float32)
-            return q, s, 0, q.data_ptr(), s.data_ptr()
-        x = torch.empty(*shape, self.hidden, dtype=self.dtype)
-        return x, None, x.data_ptr(), 0, 0
+            q = torch.empty(*shape, self.hidden, dtype=torch.uint8, device=self.device)
+            s = torch.empty(*shape, self.hidden // 128, dtype=torch.float32, device=self.device)
+            return q, s, None, q, s
+        x = torch.empty(*shape, self.hidden, dtype=self.dtype, device=self.device)
+        return x, None, x, None, None
 
     def dispatch(
         self,
@@ -529,7 +568,7 @@ class Buffer:
             seq, _OP_DISPATCH, parity, x, topk_ids, topk_weights
         )
         total = int(counts.sum())
-        row_base = torch.zeros(self.world, dtype=torch.int64)
+        row_base = torch.zeros(self.world, dtype=torch.int64, device=self.device)
         row_base[1:] = torch.cumsum(counts, 0)[:-1]
         result = self._unpack_rows(parity, counts, row_base, (total,), return_fp8)
         handle = DispatchHandle(
@@ -539,25 +578,25 @@ class Buffer:
 
     def _unpack_rows(self, parity, counts, row_base, shape, return_fp8):
         k = self.num_topk
-        xo, scales, x_ptr, q_ptr, s_ptr = self._payload_outputs(shape, return_fp8)
-        src_rank = torch.empty(*shape, dtype=torch.int32)
-        src_token = torch.empty(*shape, dtype=torch.int32)
-        ids = torch.full((*shape, k), -1, dtype=torch.int32)
-        ws = torch.zeros(*shape, k, dtype=torch.float32)
-        per_expert = torch.zeros(self.num_local_experts, dtype=torch.int32)
+        xo, scales, x_dst, q_dst, s_dst = self._payload_outputs(shape, return_fp8)
+        src_rank = torch.empty(*shape, dtype=torch.int32, device=self.device)
+        src_token = torch.empty(*shape, dtype=torch.int32, device=self.device)
+        ids = torch.full((*shape, k), -1, dtype=torch.int32, device=self.device)
+        ws = torch.zeros(*shape, k, dtype=torch.float32, device=self.device)
+        per_expert = torch.zeros(self.num_local_experts, dtype=torch.int32, device=self.device)
         self._transport.unpack_rows(
             parity,
-            counts.data_ptr(),
-            row_base.data_ptr(),
-            x_ptr,
-            q_ptr,
-            s_ptr,
-            src_rank.data_ptr(),
-            src_token.data_ptr(),
-            ids.data_ptr(),
-            ws.data_ptr(),
+            counts,
+            row_base,
+            x_dst,
+            q_dst,
+            s_dst,
+            src_rank,
+            src_token,
+            ids,
+            ws,
             self.num_local_experts,
-            per_expert.data_ptr(),
+            per_expert,
         )
         if return_fp8:
             xo = xo.view(torch.float8_e4m3fn)
@@ -601,7 +640,7 @@ class Buffer:
             seq, _OP_LL_DISPATCH, parity, x, topk_ids, topk_weights
         )
         w, m = self.world, self.max_tokens_per_rank
-        row_base = torch.arange(w, dtype=torch.int64) * m
+        row_base = torch.arange(w, dtype=torch.int64, device=self.device) * m
         handle = DispatchHandle(
             id(self), "low_latency", layout, num_tokens, send_token, send_count, counts, row_base
         )
@@ -609,26 +648,26 @@ class Buffer:
             unpacked = self._unpack_rows(parity, counts, row_base, (w, m), return_fp8)
             return self._finish_rows(unpacked, counts, handle, return_fp8)
         e_local, cap, k = self.num_local_experts, w * m, self.num_topk
-        xo, scales, x_ptr, q_ptr, s_ptr = self._payload_outputs((e_local, cap), return_fp8)
-        per_expert = torch.zeros(e_local, dtype=torch.int32)
-        src_info = torch.full((e_local, cap), -1, dtype=torch.int32)
-        layout_range = torch.zeros(e_local, w, dtype=torch.int64)
-        handle.expert_pos = torch.empty(cap, k, dtype=torch.int32)
-        handle.row_experts = torch.full((cap, k), -1, dtype=torch.int32)
-        handle.row_weights = torch.zeros(cap, k, dtype=torch.float32)
+        xo, scales, x_dst, q_dst, s_dst = self._payload_outputs((e_local, cap), return_fp8)
+        per_expert = torch.zeros(e_local, dtype=torch.int32, device=self.device)
+        src_info = torch.full((e_local, cap), -1, dtype=torch.int32, device=self.device)
+        layout_range = torch.zeros(e_local, w, dtype=torch.int64, device=self.device)
+        handle.expert_pos = torch.empty(cap, k, dtype=torch.int32, device=self.device)
+        handle.row_experts = torch.full((cap, k), -1, dtype=torch.int32, device=self.device)
+        handle.row_weights = torch.zeros(cap, k, dtype=torch.float32, device=self.device)
         self._transport.unpack_expert_major(
             parity,
-            counts.data_ptr(),
+            counts,
             e_local,
-            x_ptr,
-            q_ptr,
-            s_ptr,
-            per_expert.data_ptr(),
-            src_info.data_ptr(),
-            layout_range.data_ptr(),
-            handle.expert_pos.data_ptr(),
-            handle.row_experts.data_ptr(),
-            handle.row_weights.data_ptr(),
+            x_dst,
+            q_dst,
+            s_dst,
+            per_expert,
+            src_info,
+            layout_range,
+            handle.expert_pos,
+            handle.row_experts,
+            handle.row_weights,
         )
         if return_fp8:
             xo = xo.view(torch.float8_e4m3fn)
@@ -692,21 +731,21 @@ class Buffer:
             seq & 0xFFFFFFFF,
             op,
             parity,
-            rows.data_ptr(),
-            handle.recv_count.data_ptr(),
-            handle.row_base.data_ptr(),
+            rows,
+            handle.recv_count,
+            handle.row_base,
         )
-        out = torch.empty(handle.num_tokens, self.hidden, dtype=self.dtype)
+        out = torch.empty(handle.num_tokens, self.hidden, dtype=self.dtype, device=self.device)
         self._protocol(
             self._transport.combine_recv,
             seq & 0xFFFFFFFF,
             op,
             parity,
             self.timeout_s,
-            handle.send_token.data_ptr(),
-            handle.send_count.data_ptr(),
+            handle.send_token,
+            handle.send_count,
             handle.num_tokens,
-            out.data_ptr(),
+            out,
         )
         self._record()
         return out
@@ -738,15 +777,15 @@ class Buffer:
             y = self._guard(seq, op, self._check_y, y, (w, m, self.hidden))
             return self._combine(seq, op, parity, y, handle)
         y = self._guard(seq, op, self._check_y, y, (self.num_local_experts, w * m, self.hidden))
-        rows = torch.empty(w * m, self.hidden, dtype=self.dtype)
+        rows = torch.empty(w * m, self.hidden, dtype=self.dtype, device=self.device)
         self._transport.reduce_expert_major(
-            y.data_ptr(),
-            handle.recv_count.data_ptr(),
-            handle.expert_pos.data_ptr(),
-            handle.row_experts.data_ptr(),
-            handle.row_weights.data_ptr(),
+            y,
+            handle.recv_count,
+            handle.expert_pos,
+            handle.row_experts,
+            handle.row_weights,
             self.num_local_experts,
-            rows.data_ptr(),
+            rows,
         )
         return self._combine(seq, op, parity, rows, handle)
 
@@ -761,3 +800,23 @@ def _release(transport, names: list[str]) -> None:
         return
     for name in names:
         native.ShmTransport.unlink_name(name)
+
+
+def _ptr(arg: Any) -> Any:
+    if isinstance(arg, torch.Tensor):
+        return arg.data_ptr()
+    return 0 if arg is None else arg
+
+
+class _HostPointers:
+    """The CPU transport's binding takes raw pointers: this passes tensors as such, so
+    that Buffer code is the same for every transport."""
+
+    def __init__(self, native: Any):
+        self.native = native
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.native, name)
+        if not callable(attr):
+            return attr
+        return lambda *args: attr(*(_ptr(a) for a in args))

@@ -11,14 +11,10 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     from pcie_a2a.bench import cli as bench_cli
+    from pcie_a2a.topology import cli as topo_cli
 
     bench_cli.add_parser(sub)
-    try:
-        from pcie_a2a.topology import cli as topo_cli
-    except ImportError:  # topology package not present in this build
-        topo_cli = None
-    if topo_cli is not None:
-        topo_cli.add_parser(sub)
+    topo_cli.add_parser(sub)
 
     args = parser.parse_args(argv)
     return int(args.func(args) or 0)
