@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pcie_a2a import env
+from pcie_a2a import _native, env
 from pcie_a2a.placement import Placement
 
 P2P, STAGED = 0, 1
@@ -419,16 +419,25 @@ class CudaTransport:
         return counts
 
     def abort(self, seq, op, timeout_s: float | None = None) -> None:
-        """Publishes abort flags for this call. Unlike the CPU transport it does not yet
-        wait for the peers' flags of the call (see docs/cuda_transport.md, open items)."""
-        del timeout_s
+        """Publishes abort flags for this call, then still receives it: waits for every
+        peer's flag of the call (their rows or their own aborts), so that this rank does
+        not send call n + 1 before it has received call n (the reuse invariant of
+        core/wire_format.h). A peer's abort is expected here and not raised."""
         ticket = self.new_ticket()
-        self._tx().abort(_ptr(ticket), op, _FAMILY[op], self._stream())
+        tx = self._tx()
+        tx.abort(_ptr(ticket), op, _FAMILY[op], self._stream())
         self._advance(seq, op, None)
         if _FAMILY[op] == 0:
             self._dispatch_ticket = ticket
         else:
             self._combine_ticket = ticket
+        wait_s = self.timeout_s if timeout_s is None else float(timeout_s)
+        tx.wait_counts(_ptr(ticket), _ptr(self._counts), wait_s, self._stream())
+        torch.cuda.current_stream(self.device).synchronize()
+        try:
+            tx.check()
+        except _native.transport().PeerAbortedError:
+            pass
 
     def unpack_rows(
         self,
