@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from pcie_a2a.bench.routing import RoutingSpec, make_routing, ranks_per_token
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -354,10 +354,8 @@ void ShmTransport::dequant_row(const uint8_t* slot, const SlotLayout& sl, void* 
     std::memcpy(out, slot + sl.payload_off, 2 * static_cast<size_t>(H));
     return;
   }
-  const uint8_t* q = slot + sl.payload_off;
-  const auto* scales = reinterpret_cast<const float*>(slot + sl.scales_off);
-  for (int32_t i = 0; i < H; ++i)
-    out[i] = float_to_half_bits(fp8_e4m3_to_float(q[i]) * scales[i / kFp8GroupSize], config_.dtype);
+  dequantize_fp8_row(slot + sl.payload_off, reinterpret_cast<const float*>(slot + sl.scales_off), H,
+                     config_.dtype, out);
 }
 
 void ShmTransport::unpack_rows(int parity, const int32_t* counts, const int64_t* row_base,
@@ -480,11 +478,10 @@ void ShmTransport::reduce_expert_major(const void* y, const int32_t* counts,
         if (e < 0) continue;
         PA2A_HOST_ASSERT(e < num_local_experts);
         const size_t src = (static_cast<size_t>(e) * cap + expert_pos[row * K + k]) * H;
-        const float w = row_weights[row * K + k];
-        for (int32_t i = 0; i < H; ++i) acc[i] += w * load_as_float(y, src + i, c.dtype);
+        accumulate_row(acc.data(), static_cast<const uint16_t*>(y) + src, row_weights[row * K + k],
+                       H, c.dtype);
       }
-      auto* out = static_cast<uint16_t*>(rows_out) + row * H;
-      for (int32_t i = 0; i < H; ++i) out[i] = float_to_half_bits(acc[i], c.dtype);
+      float_row_to_half(acc.data(), H, c.dtype, static_cast<uint16_t*>(rows_out) + row * H);
     }
   }
 }
@@ -506,13 +503,13 @@ void ShmTransport::combine_recv(uint32_t seq, uint32_t op, int parity, double ti
     for (int32_t j = 0; j < send_count[d]; ++j) {
       const int32_t t = send_token[static_cast<size_t>(d) * M + j];
       PA2A_HOST_ASSERT(t >= 0 && t < num_tokens);
-      const void* row = region + slot_offset(c, parity, d, j, layout_.combine_slot);
-      float* a = acc_.data() + static_cast<size_t>(t) * H;
-      for (int32_t i = 0; i < H; ++i) a[i] += load_as_float(row, static_cast<size_t>(i), c.dtype);
+      const auto* row = reinterpret_cast<const uint16_t*>(
+          region + slot_offset(c, parity, d, j, layout_.combine_slot));
+      accumulate_row(acc_.data() + static_cast<size_t>(t) * H, row, 1.0f, H, c.dtype);
     }
   }
-  auto* o = static_cast<uint16_t*>(out);
-  for (size_t i = 0; i < acc_.size(); ++i) o[i] = float_to_half_bits(acc_[i], c.dtype);
+  float_row_to_half(acc_.data(), static_cast<int>(acc_.size()), c.dtype,
+                    static_cast<uint16_t*>(out));
 }
 
 }  // namespace pa2a

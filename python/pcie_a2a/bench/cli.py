@@ -1,0 +1,268 @@
+"""``pcie-a2a bench``: dispatch / combine / dispatch+expert+combine of :class:`pcie_a2a.Buffer`
+against the torch.distributed baselines (per-expert ``all_to_all_single`` and
+all-gather + reduce-scatter), in the same process group and timing loop.
+
+Defaults: a Kimi K2 decode step (hidden 7168, 384 experts, top-8, 128 tokens per rank) on
+4 spawned CPU ranks (gloo), payloads bf16 and fp8, uniform routing. See docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from pcie_a2a.bench.routing import ROUTINGS, RoutingSpec, check_spec
+
+PAYLOADS = ("bf16", "fp8")
+MODES = ("normal", "low_latency")
+DEFAULTS = {
+    "tokens": "128",
+    "hidden": 7168,
+    "experts": 384,
+    "topk": 8,
+    "iters": 50,
+    "warmup": 5,
+    "max_seconds": 30.0,
+}
+QUICK = {
+    "tokens": "4,32",
+    "hidden": 256,
+    "experts": 32,
+    "topk": 4,
+    "iters": 5,
+    "warmup": 1,
+    "max_seconds": 5.0,
+}
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "bench",
+        help="benchmark dispatch/combine against baselines",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    d = DEFAULTS
+    p.add_argument(
+        "--world", type=int, default=4, help="ranks to spawn (default 4; ignored under torchrun)"
+    )
+    p.add_argument(
+        "--tokens",
+        help=f"tokens per rank, comma list (default {d['tokens']}; e.g. 1,16,128,512,4096)",
+    )
+    p.add_argument("--hidden", type=int, help=f"hidden size (default {d['hidden']})")
+    p.add_argument("--experts", type=int, help=f"global experts (default {d['experts']})")
+    p.add_argument("--topk", type=int, help=f"experts per token (default {d['topk']})")
+    p.add_argument(
+        "--payload",
+        default="bf16,fp8",
+        help="comma list of bf16, fp8 (default both; the baselines always move bf16)",
+    )
+    p.add_argument(
+        "--routing",
+        default="uniform",
+        help=f"comma list of {', '.join(ROUTINGS)} (default uniform)",
+    )
+    p.add_argument(
+        "--mode",
+        default="normal",
+        help="normal (dispatch/combine) or "
+        "low_latency (low_latency_dispatch rows layout / low_latency_combine)",
+    )
+    p.add_argument(
+        "--iters",
+        type=int,
+        help=f"timed iterations per config (default "
+        f"{d['iters']}, fewer if --max-seconds is reached)",
+    )
+    p.add_argument("--warmup", type=int, help=f"untimed iterations (default {d['warmup']})")
+    p.add_argument(
+        "--max-seconds",
+        type=float,
+        help="cap on timed seconds per config, "
+        f"estimated from the warmup; at least 5 iterations (default "
+        f"{d['max_seconds']:.0f}; 0: no cap)",
+    )
+    p.add_argument("--zipf-s", type=float, default=1.0, help="Zipf exponent (default 1.0)")
+    p.add_argument("--n-group", type=int, default=8, help="kimi routing: expert groups (8)")
+    p.add_argument("--topk-group", type=int, default=4, help="kimi routing: groups per token (4)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    p.add_argument("--json", help="JSON output (default bench_results/bench-<time>.json)")
+    p.add_argument(
+        "--plot", help="PNG output (default bench_results/bench-<time>.png; 'none' to skip)"
+    )
+    p.add_argument("--timeout", type=float, default=3600.0, help="whole-sweep deadline in s")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="tiny shapes for tests (hidden 256, 32 experts, top-4, tokens 4,32, 5 iters)",
+    )
+    p.set_defaults(func=main)
+    return p
+
+
+def _bad(option: str, got, allowed: str) -> SystemExit:
+    print(f"pcie-a2a bench: error: {option}: got {got!r}; allowed: {allowed}", file=sys.stderr)
+    return SystemExit(2)
+
+
+def _list(option: str, text: str, allowed: tuple[str, ...]) -> list[str]:
+    items = [s.strip() for s in text.split(",") if s.strip()]
+    for s in items:
+        if s not in allowed:
+            raise _bad(option, s, ", ".join(allowed))
+    if not items:
+        raise _bad(option, text, "a comma list of " + ", ".join(allowed))
+    return list(dict.fromkeys(items))
+
+
+def resolve(args: argparse.Namespace, world: int) -> dict:
+    """Validated configuration passed to every rank (errors name the option)."""
+    base = QUICK if args.quick else DEFAULTS
+    val = {k: getattr(args, k) if getattr(args, k) is not None else base[k] for k in base}
+    try:
+        tokens = [int(s) for s in str(val["tokens"]).split(",") if s.strip()]
+    except ValueError:
+        raise _bad("--tokens", val["tokens"], "a comma list of positive ints") from None
+    if not tokens or min(tokens) < 1:
+        raise _bad("--tokens", val["tokens"], "a comma list of positive ints")
+    for opt in ("hidden", "experts", "topk", "iters"):
+        if val[opt] < 1:
+            raise _bad(f"--{opt}", val[opt], "a positive int")
+    if args.threads < 1:
+        raise _bad("--threads", args.threads, "a positive int")
+    if val["warmup"] < 0 or val["max_seconds"] < 0:
+        raise _bad("--warmup/--max-seconds", (val["warmup"], val["max_seconds"]), ">= 0")
+    if args.world < 1:
+        raise _bad("--world", args.world, "a positive int")
+    if val["experts"] % world:
+        raise _bad("--experts", val["experts"], f"a multiple of the world size ({world})")
+    if val["hidden"] % 8:
+        raise _bad("--hidden", val["hidden"], "a multiple of 8")
+    payloads = _list("--payload", args.payload, PAYLOADS)
+    if "fp8" in payloads and val["hidden"] % 128:
+        raise _bad("--hidden", val["hidden"], "a multiple of 128 with --payload fp8")
+    if args.mode not in MODES:
+        raise _bad("--mode", args.mode, ", ".join(MODES))
+    routings = _list("--routing", args.routing, ROUTINGS)
+    for r in routings:
+        why = check_spec(
+            RoutingSpec(
+                r,
+                val["experts"],
+                val["topk"],
+                args.seed,
+                args.zipf_s,
+                args.n_group,
+                args.topk_group,
+            )
+        )
+        if why:
+            print(f"pcie-a2a bench: error: {why}", file=sys.stderr)
+            raise SystemExit(2)
+    return {
+        "tokens": sorted(set(tokens)),
+        "payloads": payloads,
+        "routings": routings,
+        "hidden": val["hidden"],
+        "experts": val["experts"],
+        "topk": val["topk"],
+        "mode": args.mode,
+        "iters": val["iters"],
+        "warmup": val["warmup"],
+        "max_seconds": val["max_seconds"],
+        "min_iters": min(5, val["iters"]),
+        "seed": args.seed,
+        "zipf_s": args.zipf_s,
+        "n_group": args.n_group,
+        "topk_group": args.topk_group,
+        "threads": args.threads,
+        "timeout": args.timeout,
+        "gloo_timeout": 300,
+        "call_timeout": 120.0,
+    }
+
+
+def _outputs(args) -> tuple[Path, Path | None]:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    js = Path(args.json) if args.json else Path("bench_results") / f"bench-{stamp}.json"
+    if args.plot and args.plot.lower() == "none":
+        return js, None
+    return js, Path(args.plot) if args.plot else Path("bench_results") / f"bench-{stamp}.png"
+
+
+def _command() -> str:
+    argv = sys.argv[1:]
+    if "bench" in argv:  # pcie-a2a bench ..., python -m pcie_a2a bench ...
+        argv = argv[argv.index("bench") + 1 :]
+    return " ".join(["pcie-a2a", "bench", *(shlex.quote(a) for a in argv)])
+
+
+def main(args: argparse.Namespace) -> int:
+    from pcie_a2a.bench import report, runner
+
+    torchrun = runner.under_torchrun()
+    world = int(os.environ["WORLD_SIZE"]) if torchrun else args.world
+    cfg = resolve(args, world)
+    js, png = _outputs(args)
+    error = None
+    load_start = report.load()
+    try:
+        raw = runner.run(cfg, world)
+    except runner.BenchError as exc:
+        print(f"pcie-a2a bench: error: {exc}", file=sys.stderr)
+        error, raw = str(exc), exc.partial
+        if not raw["results"]:
+            return 1
+        print("pcie-a2a bench: reporting the configs that finished", file=sys.stderr)
+    if raw is None:  # a torchrun rank other than 0
+        return 0
+    mach = report.machine(world) | {"load_avg_1m_at_start": load_start}
+    summary = report.summarize(raw)
+    print(
+        f"machine: {mach['cpu']}, {mach['cores']} cores ({mach['usable_cores']} usable), "
+        f"{mach['memory_gib']} GiB, torch {mach['torch']}, backend {mach['backend']}, "
+        f"world {world}{' (torchrun)' if torchrun else ''}; load avg (1 min) "
+        f"{mach['load_avg_1m_at_start']} at start, {mach['load_avg_1m_at_end']} at end"
+    )
+    print(
+        f"shape: hidden {cfg['hidden']}, {cfg['experts']} experts, top-{cfg['topk']}, "
+        f"mode {cfg['mode']}; ag_rs combine: {raw['ag_rs_reduce']}"
+    )
+    print(
+        f"{report.EXPERT_NOTE}; latency = slowest rank per iteration, p50/p99 over "
+        "iterations; GB/s = wire bytes per rank / p50; vs X = X p50 / pcie_a2a p50"
+    )
+    print()
+    print(report.table(summary))
+    print()
+    for line in report.target_lines(summary) + report.checks(summary):
+        print(line)
+    doc = {
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "command": _command(),
+        "machine": mach,
+        "config": cfg,
+        "ag_rs_reduce": raw["ag_rs_reduce"],
+        "expert": report.EXPERT_NOTE,
+        "results": summary,
+    }
+    if error:
+        doc["error"] = error
+    report.write_json(js, doc)
+    print(f"\nJSON: {js}")
+    if png is not None:
+        why = report.plot(
+            png,
+            summary,
+            f"pcie-a2a bench, world {world}, hidden "
+            f"{cfg['hidden']}, {cfg['experts']} experts, top-{cfg['topk']}, "
+            f"{mach['cpu']} ({mach['cores']} cores), gloo",
+        )
+        print(f"plot: {png}" if why is None else f"plot skipped: {why}")
+    return 1 if error or report.checks(summary) else 0

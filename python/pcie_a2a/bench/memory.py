@@ -1,0 +1,74 @@
+"""Will a (tokens, payload) config fit in this machine's memory? Estimates, not promises.
+
+Per rank: the transport's shared-memory segment (2 parities x world sources x tokens
+slots, for dispatch and for combine; see csrc/core/wire_format.h), plus the largest
+working set of the three methods (the per-expert baseline holds four [T*k, H] bf16
+tensors, the others a few [world*T, H] ones), plus chunked fp32 temporaries.
+"""
+
+from __future__ import annotations
+
+import os
+
+from pcie_a2a import env
+
+CHUNK_ROWS = 2048  # rows per chunk of the stand-in expert and of weighted sums
+_ALIGN = 16
+
+
+def _up(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def segment_bytes(world: int, tokens: int, hidden: int, topk: int, payload: str) -> int:
+    head = 16 + 2 * _up(4 * topk)
+    body = _up(hidden) + _up(4 * (hidden // 128)) if payload == "fp8" else 2 * hidden
+    return 2 * world * tokens * (_up(head + body) + _up(2 * hidden))
+
+
+def estimate(cfg: dict, world: int, tokens: int, payload: str) -> dict:
+    h, k = cfg["hidden"], cfg["topk"]
+    shm = segment_bytes(world, tokens, h, k, payload)
+    per_expert = int(tokens * k * 2 * h * 4.5)  # send, recv (skew margin), y, back
+    gathered = world * tokens * h * 4  # all-gathered x and partial outputs, or ours' rows
+    per_rank = shm + 2 * tokens * h + max(per_expert, gathered) + CHUNK_ROWS * h * 16 + (64 << 20)
+    return {"world": world, "shm_per_rank": shm, "bytes_per_rank": per_rank}
+
+
+def _mem_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _shm_free() -> int | None:
+    try:
+        st = os.statvfs(env.shm_dir())
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def why_not(need: dict) -> str | None:
+    """A message when the config would not fit (skip it), else None."""
+    world, gib = need["world"], 1 << 30
+    total = world * need["bytes_per_rank"]
+    avail = _mem_available()
+    if avail is not None and total > 0.85 * avail:
+        return (
+            f"needs ~{total / gib:.1f} GiB of memory for {world} ranks, "
+            f"{avail / gib:.1f} GiB available"
+        )
+    shm = world * need["shm_per_rank"]
+    free = _shm_free()
+    if free is not None and shm > free:
+        return (
+            f"needs ~{shm / gib:.1f} GiB of shared memory in {env.shm_dir()}, "
+            f"{free / gib:.1f} GiB free"
+        )
+    return None
