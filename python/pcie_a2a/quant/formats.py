@@ -83,10 +83,10 @@ def _unpack_nibbles(words: torch.Tensor) -> torch.Tensor:
 
 def _pack_nibbles(nib: torch.Tensor) -> torch.Tensor:
     """uint8 [..., W, 8] (0..15) -> int32 [..., W], nibble i in bits 4i (two's complement)."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=nib.device)
-    w = (nib.to(torch.int64) << shifts).sum(-1)
-    w = torch.where(w >= 2**31, w - 2**32, w)
-    return w.to(torch.int32)
+    w = nib[..., 0].to(torch.int32)
+    for i in range(1, 8):  # int32 shifts wrap: nibble 7 lands in the sign bit, as stored
+        w |= nib[..., i].to(torch.int32) << (4 * i)
+    return w
 
 
 @dataclass
@@ -150,9 +150,7 @@ def stack_experts(weights: list[Int4Weights]) -> Int4Weights:
                 f"expert {i} has codes {tuple(w.codes.shape)} group {w.group_size}; expert 0 "
                 f"has {tuple(first.codes.shape)} group {first.group_size}: all must match"
             )
-        if (w.zeros is None) != (first.zeros is None) or (w.g_idx is None) != (
-            first.g_idx is None
-        ):
+        if (w.zeros is None) != (first.zeros is None) or (w.g_idx is None) != (first.g_idx is None):
             raise ValueError(f"expert {i} mixes symmetric/asymmetric or act-order with expert 0")
     return Int4Weights(
         codes=torch.stack([w.codes for w in weights]),
@@ -348,7 +346,9 @@ def dequantize_awq(
 # ---- compressed-tensors pack-quantized -------------------------------------------------
 
 
-def _ct_check(weight_packed, weight_scale, weight_shape, group_size, weight_zero_point):
+def _ct_check(
+    weight_packed, weight_scale, weight_shape, group_size, weight_zero_point, weight_g_idx=None
+):
     check_group_size(group_size)
     if weight_zero_point is not None:
         raise ValueError(
@@ -361,6 +361,13 @@ def _ct_check(weight_packed, weight_scale, weight_shape, group_size, weight_zero
         raise ValueError(f"weight_packed must be [..., N, K/8], got {tuple(weight_packed.shape)}")
     _check_int32("weight_packed", weight_packed, (n, (k + 7) // 8))
     g = _num_groups(k, group_size)
+    if weight_g_idx is not None:
+        if weight_g_idx.shape[-1] != k:
+            raise ValueError(
+                f"weight_g_idx has shape {tuple(weight_g_idx.shape)}; expected [..., {k}]"
+            )
+        if weight_g_idx.numel():
+            g = max(g, int(weight_g_idx.max()) + 1)
     _check_scales("weight_scale", weight_scale, (n, g))
     return n, k, g
 
@@ -372,18 +379,23 @@ def from_compressed_tensors(
     *,
     group_size: int,
     weight_zero_point: torch.Tensor | None = None,
+    weight_g_idx: torch.Tensor | None = None,
 ) -> Int4Weights:
     """compressed-tensors ``pack-quantized`` (symmetric int4) -> :class:`Int4Weights`.
 
     ``weight_shape`` is the per-matrix (N, K); for stacked experts pass one of them.
+    ``weight_g_idx`` (``actorder="group"``) is handled like GPTQ's act-order.
     """
-    n, k, _ = _ct_check(weight_packed, weight_scale, weight_shape, group_size, weight_zero_point)
+    _n, k, _ = _ct_check(
+        weight_packed, weight_scale, weight_shape, group_size, weight_zero_point, weight_g_idx
+    )
     codes = _unpack_nibbles(weight_packed).flatten(-2)[..., :k]
     return Int4Weights(
         codes=codes.contiguous(),
         scales=weight_scale.contiguous(),
         zeros=None,
         group_size=group_size,
+        g_idx=None if weight_g_idx is None else weight_g_idx.to(torch.int64),
     )
 
 
@@ -394,11 +406,18 @@ def dequantize_compressed_tensors(
     *,
     group_size: int,
     weight_zero_point: torch.Tensor | None = None,
+    weight_g_idx: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Oracle: fp32 ``[..., N, K]``: ``w[n, k] = (u - 8) * scale[n, k // g]``."""
-    n, k, _ = _ct_check(weight_packed, weight_scale, weight_shape, group_size, weight_zero_point)
+    """Oracle: fp32 ``[..., N, K]``: ``w[n, k] = (u - 8) * scale[n, g_idx[k]]`` with
+    ``g_idx[k] = k // g`` unless ``weight_g_idx`` is given."""
+    _n, k, _ = _ct_check(
+        weight_packed, weight_scale, weight_shape, group_size, weight_zero_point, weight_g_idx
+    )
     kk = torch.arange(k)
     u = ((weight_packed[..., kk // 8] >> (4 * (kk % 8)).to(torch.int32)) & 0xF).float()
+    if weight_g_idx is not None:
+        gi = weight_g_idx.to(torch.int64).unsqueeze(-2).expand(*u.shape)
+        return (u - 8.0) * torch.gather(weight_scale.float(), -1, gi)
     gi = torch.zeros(k, dtype=torch.int64) if group_size == -1 else kk // group_size
     s = weight_scale.float()[..., gi]
     return (u - 8.0) * s
@@ -447,15 +466,18 @@ def to_awq(w: Int4Weights) -> dict[str, torch.Tensor]:
 def to_compressed_tensors(w: Int4Weights) -> dict[str, torch.Tensor]:
     """Inverse of :func:`from_compressed_tensors` (symmetric only)."""
     w.validate()
-    if w.zeros is not None or w.g_idx is not None:
-        raise ValueError("compressed-tensors writer supports symmetric, non act-order weights")
+    if w.zeros is not None:
+        raise ValueError("compressed-tensors writer supports symmetric weights only")
     k8 = (w.k + 7) // 8
     codes = torch.nn.functional.pad(w.codes, (0, 8 * k8 - w.k), value=8)
-    return {
+    out = {
         "weight_packed": _pack_nibbles(codes.reshape(*codes.shape[:-1], k8, 8)),
         "weight_scale": w.scales.contiguous(),
         "weight_shape": torch.tensor([w.n, w.k], dtype=torch.int64),
     }
+    if w.g_idx is not None:
+        out["weight_g_idx"] = w.g_idx.to(torch.int32)
+    return out
 
 
 def random_int4(

@@ -43,7 +43,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .formats import Int4Weights, check_group_size
+from .formats import Int4Weights, _pack_nibbles
 
 TILE_K = 16  # mma k
 TILE_N = 64  # four 16-column sub-tiles = 8 n8 tiles per warp
@@ -95,6 +95,7 @@ class PackedInt4Weight:
     scales: torch.Tensor  # dtype [E, G, n_pad] (permuted)
     zeros: torch.Tensor | None  # dtype [E, G, n_pad] (permuted) or None (symmetric)
     k_perm: torch.Tensor | None  # int32 [E, k_pad]: logical k at packed position, -1 pad
+    k_perm_inv: torch.Tensor | None  # int32 [E, round_up(k, PAD_N/2)]: inverse, identity pad
     n: int
     k: int
     n_pad: int
@@ -123,16 +124,6 @@ class PackedInt4Weight:
             b += self.zeros.numel() * self.zeros.element_size()
         return b
 
-    def k_perm_inv(self, length: int) -> torch.Tensor | None:
-        """int32 [E, length]: packed position of logical channel c (identity for c >= k)."""
-        if self.k_perm is None:
-            return None
-        e = self.num_experts
-        inv = torch.arange(length, dtype=torch.int64).repeat(e, 1)
-        perm = self.k_perm[:, : self.k].to(torch.int64).cpu()
-        inv.scatter_(1, perm, torch.arange(self.k).repeat(e, 1))
-        return inv.to(torch.int32).to(self.qweight.device)
-
     def to(self, device: torch.device | str) -> PackedInt4Weight:
         def mv(t):
             return None if t is None else t.to(device)
@@ -143,6 +134,7 @@ class PackedInt4Weight:
             scales=self.scales.to(device),
             zeros=mv(self.zeros),
             k_perm=mv(self.k_perm),
+            k_perm_inv=mv(self.k_perm_inv),
         )
 
 
@@ -214,7 +206,8 @@ def _to_dtype_exact(t: torch.Tensor, dtype: torch.dtype, name: str, allow: bool)
         bad = (out.float() != t.float()).sum().item()
         raise ValueError(
             f"{name}: {bad} of {t.numel()} values change when converted from {t.dtype} to "
-            f"{dtype}; pack with dtype={t.dtype} or pass allow_inexact_scales=True"
+            f"the activation dtype {dtype}; supported: exactly representable scales, or "
+            "pass allow_inexact_scales=True to round them"
         )
     return out
 
@@ -232,9 +225,11 @@ def pack_int4(
     interleaves them for the fused SiLU epilogue.
     """
     if dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"dtype={dtype} is not supported; supported: torch.bfloat16, torch.float16")
+        raise ValueError(
+            f"dtype={dtype} is not supported; supported: torch.bfloat16, torch.float16"
+        )
     w.validate()
-    check_group_size(w.group_size)
+    _to_dtype_exact(w.scales, dtype, "scales", allow_inexact_scales)
     codes, scales, zeros, g_idx = w.codes, w.scales, w.zeros, w.g_idx
     if codes.dim() == 2:
         codes, scales = codes[None], scales[None]
@@ -256,7 +251,7 @@ def pack_int4(
         zeros = zeros[..., : scales.shape[-1]]
 
     # Act-order: sort K by group so every group is contiguous.
-    k_perm = None
+    k_perm = k_perm_inv = None
     if g_idx is not None:
         if g == -1:
             raise ValueError("g_idx (act-order) given with group_size=-1 (per channel)")
@@ -270,6 +265,12 @@ def pack_int4(
         codes = torch.gather(codes, 2, perm.unsqueeze(1).expand(e, n, k))
         k_perm = torch.full((e, k_pad), -1, dtype=torch.int32)
         k_perm[:, :k] = perm.to(torch.int32)
+        # Where the gate/up epilogue writes channel c of h when this is w2 (the down GEMM
+        # reads h in packed order). h has round_up(I, PAD_N / 2) columns; beyond k: identity.
+        inv_len = round_up(k, PAD_N // 2)
+        k_perm_inv = torch.arange(inv_len, dtype=torch.int64).repeat(e, 1)
+        k_perm_inv.scatter_(1, perm, torch.arange(k).repeat(e, 1))
+        k_perm_inv = k_perm_inv.to(torch.int32)
 
     # Pad K: a padded code must dequantise to 0, i.e. equal its group's zero point.
     if k_pad > k:
@@ -296,7 +297,10 @@ def pack_int4(
         def pad_rows(t: torch.Tensor) -> torch.Tensor:
             half = [t[:, :i], t[:, i:]]
             return torch.cat(
-                [torch.nn.functional.pad(h.float(), (0, 0, 0, i_pad - i)).to(t.dtype) for h in half],
+                [
+                    torch.nn.functional.pad(h.float(), (0, 0, 0, i_pad - i)).to(t.dtype)
+                    for h in half
+                ],
                 dim=1,
             )
 
@@ -313,10 +317,8 @@ def pack_int4(
     # Weights: [E, N, K] -> tiles [E, K/16, N/64, 16 x 64] -> lane-major words.
     kt, nt = k_pad // TILE_K, n_pad // TILE_N
     tiles = codes.view(e, nt, TILE_N, kt, TILE_K).permute(0, 3, 1, 4, 2).reshape(e, kt, nt, -1)
-    nib = tiles[..., _nibble_source().flatten()].view(e, kt, nt, WARP, 4, 8).to(torch.int64)
-    words = (nib << torch.arange(0, 32, 4)).sum(-1)
-    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-    qweight = words.reshape(e, kt, nt * WARP * 4).contiguous()
+    nib = tiles[..., _nibble_source().flatten()].view(e, kt, nt, WARP, 4, 8)
+    qweight = _pack_nibbles(nib).reshape(e, kt, nt * WARP * 4).contiguous()
 
     # Scales / zeros: [E, N, G] -> [E, G, N] with the 64-column permutation.
     pos = scale_position(torch.arange(TILE_N))
@@ -327,13 +329,14 @@ def pack_int4(
         t = t.transpose(1, 2).reshape(e, n_groups, nt, TILE_N)[..., inv]
         return t.reshape(e, n_groups, n_pad).contiguous()
 
-    s = _to_dtype_exact(scales, dtype, "scales", allow_inexact_scales)
+    s = scales.to(dtype)
     z = None if zeros is None else zeros.to(dtype)
     return PackedInt4Weight(
         qweight=qweight,
         scales=perm_cols(s),
         zeros=None if z is None else perm_cols(z),
         k_perm=k_perm,
+        k_perm_inv=k_perm_inv,
         n=n,
         k=k,
         n_pad=n_pad,

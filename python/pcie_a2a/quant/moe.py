@@ -1,0 +1,403 @@
+"""The fused INT4 expert MLP between dispatch and combine, and its CPU reference.
+
+Rows layout (what dispatch delivers on one rank; see DESIGN.md section 4)::
+
+    rows         [R, H]        bf16/fp16, one row per (token, this rank)
+    row_experts  [R, topk]     int32 local expert ids in [0, E), -1 = none
+    row_weights  [R, topk]     fp32 routing weights (0 where the id is -1)
+    out[r] = sum_k row_weights[r, k] * MLP_{row_experts[r, k]}(rows[r])   (fp32 sum)
+    MLP_e(x) = down_e(silu(gate_e(x)) * up_e(x))
+
+The output is already weighted and summed over this rank's experts, so it goes straight
+into combine. Expert-major layout (DeepEP low-latency style): ``x [E, capacity, H]`` plus
+``counts [E]``; the output ``[E, capacity, H]`` holds unweighted expert outputs and rows
+``>= counts[e]`` are zero.
+
+:func:`moe_int4_mlp_reference` dequantises (through the lane emulation of the packed
+layout, so the reference also checks the layout) and runs fp32 matmuls: it is the oracle
+for the CUDA kernel. :func:`moe_int4_mlp` runs the kernel on CUDA tensors and the
+reference on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .layout import PackedInt4Weight, check_expert_pair, dequantize_packed
+
+_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _check_rows(rows, row_experts, row_weights, w13: PackedInt4Weight, w2: PackedInt4Weight):
+    check_expert_pair(w13, w2)
+    if rows.dim() != 2:
+        raise ValueError(f"rows must be [R, H], got shape {tuple(rows.shape)}")
+    if rows.dtype not in _DTYPES:
+        raise ValueError(f"rows dtype {rows.dtype} is not supported; supported: bf16, fp16")
+    if rows.dtype != w13.dtype:
+        raise ValueError(f"rows dtype {rows.dtype} differs from the packed experts' {w13.dtype}")
+    r, h = rows.shape
+    if h != w13.k:
+        raise ValueError(f"rows hidden size {h} differs from the experts' hidden size {w13.k}")
+    if row_experts.dim() != 2 or row_experts.shape[0] != r:
+        raise ValueError(f"row_experts must be [{r}, topk], got {tuple(row_experts.shape)}")
+    if row_experts.dtype != torch.int32:
+        raise ValueError(f"row_experts must be int32, got {row_experts.dtype}")
+    if row_weights.shape != row_experts.shape or row_weights.dtype != torch.float32:
+        raise ValueError(
+            f"row_weights must be float32 {tuple(row_experts.shape)}, got "
+            f"{row_weights.dtype} {tuple(row_weights.shape)}"
+        )
+
+
+def _check_expert_major(x, counts, w13: PackedInt4Weight, w2: PackedInt4Weight):
+    check_expert_pair(w13, w2)
+    if x.dim() != 3 or x.shape[0] != w13.num_experts:
+        raise ValueError(
+            f"x must be [E={w13.num_experts}, capacity, H], got shape {tuple(x.shape)}"
+        )
+    if x.dtype != w13.dtype:
+        raise ValueError(f"x dtype {x.dtype} differs from the packed experts' {w13.dtype}")
+    if x.shape[2] != w13.k:
+        raise ValueError(f"x hidden size {x.shape[2]} differs from the experts' {w13.k}")
+    if counts.shape != (x.shape[0],) or counts.dtype != torch.int32:
+        raise ValueError(
+            f"counts must be int32 [{x.shape[0]}], got {counts.dtype} {tuple(counts.shape)}"
+        )
+
+
+def _expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    gu = x @ w13.T
+    i = w2.shape[1]
+    return (torch.nn.functional.silu(gu[:, :i]) * gu[:, i:]) @ w2.T
+
+
+def moe_int4_mlp_reference(
+    rows: torch.Tensor,
+    row_experts: torch.Tensor,
+    row_weights: torch.Tensor,
+    w13: PackedInt4Weight,
+    w2: PackedInt4Weight,
+) -> torch.Tensor:
+    """CPU oracle with the signature of :func:`moe_int4_mlp` (fp32 throughout)."""
+    _check_rows(rows, row_experts, row_weights, w13, w2)
+    e = w13.num_experts
+    ids = row_experts.cpu().long()
+    bad = (ids < -1) | (ids >= e)
+    if bool(bad.any()):
+        v = int(ids[bad][0])
+        raise ValueError(f"row_experts holds {v}; allowed: -1 or a local expert id in [0, {e})")
+    x = rows.cpu().float()
+    wts = row_weights.cpu().float()
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    w13f, w2f = dequantize_packed(w13), dequantize_packed(w2)
+    for ex in torch.unique(ids[ids >= 0]).tolist():
+        r, kk = torch.nonzero(ids == ex, as_tuple=True)
+        y = _expert_mlp(x[r], w13f[ex], w2f[ex])
+        out.index_add_(0, r, y * wts[r, kk].unsqueeze(1))
+    return out.to(rows.dtype).to(rows.device)
+
+
+def moe_int4_mlp_expert_major_reference(
+    x: torch.Tensor, counts: torch.Tensor, w13: PackedInt4Weight, w2: PackedInt4Weight
+) -> torch.Tensor:
+    """CPU oracle for the expert-major layout."""
+    _check_expert_major(x, counts, w13, w2)
+    cap = x.shape[1]
+    c = counts.cpu().long()
+    if bool(((c < 0) | (c > cap)).any()):
+        raise ValueError(f"counts {c.tolist()} must lie in [0, capacity={cap}]")
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    w13f, w2f = dequantize_packed(w13), dequantize_packed(w2)
+    xf = x.cpu().float()
+    for ex in range(x.shape[0]):
+        n = int(c[ex])
+        if n:
+            out[ex, :n] = _expert_mlp(xf[ex, :n], w13f[ex], w2f[ex])
+    return out.to(x.dtype).to(x.device)
+
+
+# ---- the CUDA op -------------------------------------------------------------------------
+
+BLOCK_M_CHOICES = (16, 64)
+MAX_SPLITS = 16  # split-K parts per output tile when there are fewer tiles than CTAs
+
+
+def _native():
+    try:
+        from .. import _moe_int4  # type: ignore[attr-defined]
+    except ImportError as exc:
+        raise RuntimeError(
+            "pcie_a2a._moe_int4 is not built (build with nvcc: PCIE_A2A_WITH_CUDA=1); "
+            f"use the CPU reference instead: {exc}"
+        ) from None
+    return _moe_int4
+
+
+def choose_block_m(pairs_upper_bound: int, num_experts: int) -> int:
+    """Rows per tile, chosen on the host without reading counts (no device sync).
+
+    Decode (on average at most 16 rows per expert) takes the small-M tile.
+    """
+    return 16 if pairs_upper_bound <= 16 * max(1, num_experts) else 64
+
+
+def _fill_weight(a, prefix: str, w: PackedInt4Weight) -> None:
+    setattr(a, f"{prefix}_qweight", w.qweight.data_ptr())
+    setattr(a, f"{prefix}_scales", w.scales.data_ptr())
+    setattr(a, f"{prefix}_zeros", 0 if w.zeros is None else w.zeros.data_ptr())
+    setattr(a, f"{prefix}_n_pad", w.n_pad)
+    setattr(a, f"{prefix}_k_pad", w.k_pad)
+    setattr(a, f"{prefix}_group", w.group_size_eff)
+    setattr(a, f"{prefix}_num_groups", w.num_groups)
+
+
+def _run_cuda(
+    x: torch.Tensor,
+    out: torch.Tensor,
+    w13: PackedInt4Weight,
+    w2: PackedInt4Weight,
+    *,
+    expert_major: bool,
+    topk_ids: torch.Tensor | None,
+    topk_weights: torch.Tensor | None,
+    counts: torch.Tensor | None,
+    block_m: int | None,
+) -> None:
+    mod = _native()
+    dev = x.device
+    for name, w in (("w13", w13), ("w2", w2)):
+        if w.qweight.device != dev:
+            raise ValueError(f"{name} is on {w.qweight.device}, activations on {dev}")
+    e = w13.num_experts
+    h = w13.k
+    if expert_major:
+        cap = x.shape[1]
+        pairs = e * cap
+    else:
+        r, topk = topk_ids.shape
+        pairs = r * topk
+    bm = block_m if block_m is not None else choose_block_m(pairs, e)
+    if bm not in BLOCK_M_CHOICES:
+        raise ValueError(f"block_m={bm} is not supported; supported: {BLOCK_M_CHOICES}")
+    max_tiles = e + pairs // bm + 1  # >= sum_e ceil(count_e / bm) for any counts
+    h_stride = w13.n_pad // 2
+    i32 = dict(dtype=torch.int32, device=dev)
+    pair_src = torch.empty(max(pairs, 1), **i32)
+    pair_w = torch.empty(max(pairs, 1), dtype=torch.float32, device=dev)
+    tiles = torch.empty(max_tiles * 4, **i32)
+    status = torch.zeros(4, **i32)
+    hbuf = torch.empty(max(pairs, 1), h_stride, dtype=x.dtype, device=dev)
+    acc = None if expert_major else torch.empty(x.shape[0], h, dtype=torch.float32, device=dev)
+    h_perm = w2.k_perm_inv
+    if h_perm is not None and h_perm.shape[1] != h_stride:
+        raise ValueError(f"w2.k_perm_inv has {h_perm.shape[1]} columns; h has {h_stride}")
+
+    a = mod.Args()
+    a.dtype = 0 if x.dtype == torch.bfloat16 else 1
+    a.expert_major = expert_major
+    a.x = x.data_ptr()
+    a.hidden = h
+    a.num_experts = e
+    a.out = out.data_ptr()
+    if expert_major:
+        a.num_rows = e * x.shape[1]
+        a.capacity = x.shape[1]
+        a.counts = counts.data_ptr()
+    else:
+        a.num_rows = x.shape[0]
+        a.num_topk = topk_ids.shape[1]
+        a.topk_ids = topk_ids.data_ptr()
+        a.topk_weights = topk_weights.data_ptr()
+        a.acc = acc.data_ptr()
+    _fill_weight(a, "w13", w13)
+    _fill_weight(a, "w2", w2)
+    a.x_perm = 0 if w13.k_perm is None else w13.k_perm.data_ptr()
+    a.h_perm = 0 if h_perm is None else h_perm.data_ptr()
+    a.h_stride = h_stride
+    a.pair_src = pair_src.data_ptr()
+    a.pair_w = pair_w.data_ptr()
+    a.tiles = tiles.data_ptr()
+    a.status = status.data_ptr()
+    a.h = hbuf.data_ptr()
+    a.max_splits = MAX_SPLITS
+    if bm == 16:
+        # Split-K workspace of the gate/up GEMM: one slot per possible split item. The
+        # kernel splits only when items < CTAs <= 4 * SMs, i.e. items <= 2 * SMs: size it
+        # from the grid, not from the tokens. It is left zeroed by the kernel.
+        ws_items = 2 * torch.cuda.get_device_properties(dev).multi_processor_count
+        split_ws = torch.zeros(ws_items * bm * 256, dtype=torch.float32, device=dev)
+        split_cnt = torch.zeros(ws_items, **i32)
+        a.split_ws = split_ws.data_ptr()
+        a.split_cnt = split_cnt.data_ptr()
+        a.ws_items = ws_items
+    a.max_pairs = pairs
+    a.max_tiles = max_tiles
+    a.block_m = bm
+    a.device = dev.index if dev.index is not None else torch.cuda.current_device()
+    a.stream = torch.cuda.current_stream(dev).cuda_stream
+    mod.run(a)
+    # The scratch was allocated on this stream; the caching allocator hands it out again
+    # only to work ordered after these kernels on the same stream, so freeing it when this
+    # function returns is safe (and inside CUDA-graph capture it comes from the graph pool).
+
+
+# ---- torch.library ops (so CUDA graphs and torch.compile see one opaque op) --------------
+# Packed weights cross as tensors plus a list of ints; the CPU implementation is the
+# reference, the CUDA one the kernel.
+
+
+def _weight_args(w: PackedInt4Weight) -> list:
+    return [w.qweight, w.scales, w.zeros, w.k_perm, w.k_perm_inv]
+
+
+def _weight_meta(w: PackedInt4Weight) -> list[int]:
+    return [w.n, w.k, w.n_pad, w.k_pad, w.group_size, int(w.gate_up)]
+
+
+def _rebuild(t: list, meta: list[int], dtype: torch.dtype) -> PackedInt4Weight:
+    n, k, n_pad, k_pad, group, gate_up = meta
+    return PackedInt4Weight(*t, n, k, n_pad, k_pad, group, dtype, bool(gate_up))
+
+
+@torch.library.custom_op("pcie_a2a::moe_int4_mlp", mutates_args=())
+def _moe_int4_mlp_op(
+    rows: torch.Tensor,
+    row_experts: torch.Tensor,
+    row_weights: torch.Tensor,
+    w13_qweight: torch.Tensor,
+    w13_scales: torch.Tensor,
+    w13_zeros: torch.Tensor | None,
+    w13_k_perm: torch.Tensor | None,
+    w13_k_perm_inv: torch.Tensor | None,
+    w2_qweight: torch.Tensor,
+    w2_scales: torch.Tensor,
+    w2_zeros: torch.Tensor | None,
+    w2_k_perm: torch.Tensor | None,
+    w2_k_perm_inv: torch.Tensor | None,
+    meta: list[int],
+    block_m: int,
+) -> torch.Tensor:
+    w13 = _rebuild(
+        [w13_qweight, w13_scales, w13_zeros, w13_k_perm, w13_k_perm_inv], meta[:6], rows.dtype
+    )
+    w2 = _rebuild([w2_qweight, w2_scales, w2_zeros, w2_k_perm, w2_k_perm_inv], meta[6:], rows.dtype)
+    if not rows.is_cuda:
+        return moe_int4_mlp_reference(rows, row_experts, row_weights, w13, w2)
+    rows = rows.contiguous()
+    out = torch.empty_like(rows)
+    if rows.shape[0] == 0:
+        return out
+    _run_cuda(
+        rows,
+        out,
+        w13,
+        w2,
+        expert_major=False,
+        topk_ids=row_experts.contiguous(),
+        topk_weights=row_weights.contiguous(),
+        counts=None,
+        block_m=None if block_m <= 0 else block_m,
+    )
+    return out
+
+
+@_moe_int4_mlp_op.register_fake
+def _(rows, row_experts, row_weights, *args):
+    return torch.empty_like(rows)
+
+
+@torch.library.custom_op("pcie_a2a::moe_int4_mlp_expert_major", mutates_args=())
+def _moe_int4_mlp_expert_major_op(
+    x: torch.Tensor,
+    counts: torch.Tensor,
+    w13_qweight: torch.Tensor,
+    w13_scales: torch.Tensor,
+    w13_zeros: torch.Tensor | None,
+    w13_k_perm: torch.Tensor | None,
+    w13_k_perm_inv: torch.Tensor | None,
+    w2_qweight: torch.Tensor,
+    w2_scales: torch.Tensor,
+    w2_zeros: torch.Tensor | None,
+    w2_k_perm: torch.Tensor | None,
+    w2_k_perm_inv: torch.Tensor | None,
+    meta: list[int],
+    block_m: int,
+) -> torch.Tensor:
+    w13 = _rebuild(
+        [w13_qweight, w13_scales, w13_zeros, w13_k_perm, w13_k_perm_inv], meta[:6], x.dtype
+    )
+    w2 = _rebuild([w2_qweight, w2_scales, w2_zeros, w2_k_perm, w2_k_perm_inv], meta[6:], x.dtype)
+    if not x.is_cuda:
+        return moe_int4_mlp_expert_major_reference(x, counts, w13, w2)
+    x = x.contiguous()
+    out = torch.zeros_like(x)
+    if x.shape[1] == 0:
+        return out
+    _run_cuda(
+        x,
+        out,
+        w13,
+        w2,
+        expert_major=True,
+        topk_ids=None,
+        topk_weights=None,
+        counts=counts.contiguous(),
+        block_m=None if block_m <= 0 else block_m,
+    )
+    return out
+
+
+@_moe_int4_mlp_expert_major_op.register_fake
+def _(x, counts, *args):
+    return torch.empty_like(x)
+
+
+def moe_int4_mlp(
+    rows: torch.Tensor,
+    row_experts: torch.Tensor,
+    row_weights: torch.Tensor,
+    w13: PackedInt4Weight,
+    w2: PackedInt4Weight,
+    *,
+    block_m: int | None = None,
+) -> torch.Tensor:
+    """Fused W4A16 expert MLP on dispatch rows; returns ``[R, H]`` in ``rows.dtype``.
+
+    Runs ``torch.ops.pcie_a2a.moe_int4_mlp``: on CUDA tensors the kernel (schedule kernel,
+    gate/up GEMM with SiLU*up, down GEMM with weighting and per-row reduction, cast; no
+    host sync, capturable in a CUDA graph), on CPU tensors :func:`moe_int4_mlp_reference`.
+    Expert ids outside ``[-1, E)`` are an error on the CPU; the kernel skips them (it
+    cannot raise without a sync). ``block_m`` (16 or 64) overrides the host heuristic.
+    """
+    _check_rows(rows, row_experts, row_weights, w13, w2)
+    return torch.ops.pcie_a2a.moe_int4_mlp(
+        rows,
+        row_experts,
+        row_weights,
+        *_weight_args(w13),
+        *_weight_args(w2),
+        _weight_meta(w13) + _weight_meta(w2),
+        -1 if block_m is None else block_m,
+    )
+
+
+def moe_int4_mlp_expert_major(
+    x: torch.Tensor,
+    counts: torch.Tensor,
+    w13: PackedInt4Weight,
+    w2: PackedInt4Weight,
+    *,
+    block_m: int | None = None,
+) -> torch.Tensor:
+    """Expert-major layout: ``x [E, capacity, H]`` + ``counts [E]`` -> ``[E, capacity, H]``
+    of unweighted expert outputs (rows beyond ``counts[e]`` are zero)."""
+    _check_expert_major(x, counts, w13, w2)
+    return torch.ops.pcie_a2a.moe_int4_mlp_expert_major(
+        x,
+        counts,
+        *_weight_args(w13),
+        *_weight_args(w2),
+        _weight_meta(w13) + _weight_meta(w2),
+        -1 if block_m is None else block_m,
+    )

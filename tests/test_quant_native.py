@@ -1,0 +1,121 @@
+"""csrc/cuda/moe_int4/layout.h through the built ``_moe_int4`` module (no GPU needed).
+
+The module builds wherever nvcc is found; importing and calling it needs no device. The
+header's index functions must equal the Python layout (the tested oracle), and run()
+must reject bad arguments with errors that name them, before touching the device.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pcie_a2a.quant import layout as L
+
+mi = pytest.importorskip("pcie_a2a._moe_int4", reason="pcie_a2a._moe_int4 is not built")
+
+
+def test_constants():
+    assert (mi.TILE_K, mi.TILE_N, mi.PAD_K, mi.PAD_N, mi.GATE_UP_BLOCK) == (
+        L.TILE_K,
+        L.TILE_N,
+        L.PAD_K,
+        L.PAD_N,
+        L.GATE_UP_BLOCK,
+    )
+
+
+def test_nibble_source_matches_python():
+    src = L._nibble_source()  # flat k * 64 + n, [32, 4, 8]
+    for lane in range(32):
+        for j in range(4):
+            for p in range(8):
+                k, n = mi.nibble_source(lane, j, p)
+                assert k * 64 + n == int(src[lane, j, p]), (lane, j, p)
+
+
+def test_scale_position_and_gate_up_match_python():
+    cols = torch.arange(64)
+    assert [mi.scale_position(c) for c in range(64)] == L.scale_position(cols).tolist()
+    i_pad = 512
+    for p in range(0, 2 * i_pad, 2):
+        n0, col = p // 64 * 64, p % 64
+        src = int(L.gate_up_source_row(torch.tensor(p), i_pad))
+        if col < 32:  # gate columns: the kernel's channel is the gate row itself
+            assert mi.gate_up_channel(n0, col) == src
+        else:  # up columns of the same channel
+            assert mi.gate_up_channel(n0, col) == src - i_pad
+
+
+def _args(**kw):
+    a = mi.Args()
+    base = dict(
+        dtype=0,
+        block_m=16,
+        num_experts=4,
+        hidden=256,
+        num_rows=8,
+        num_topk=2,
+        x=4096,
+        out=4096,
+        acc=4096,
+        topk_ids=4096,
+        topk_weights=4096,
+        w13_qweight=4096,
+        w13_scales=4096,
+        w13_n_pad=256,
+        w13_k_pad=256,
+        w13_group=32,
+        w13_num_groups=8,
+        w2_qweight=4096,
+        w2_scales=4096,
+        w2_n_pad=256,
+        w2_k_pad=128,
+        w2_group=128,
+        w2_num_groups=1,
+        h_stride=128,
+        h=4096,
+        pair_src=4096,
+        pair_w=4096,
+        tiles=4096,
+        status=4096,
+        max_pairs=16,
+        max_tiles=6,
+    )
+    base.update(kw)
+    for k, v in base.items():
+        setattr(a, k, v)
+    return a
+
+
+@pytest.mark.parametrize(
+    ("kw", "msg"),
+    [
+        (dict(dtype=2), r"dtype=2; allowed: 0 \(bf16\), 1 \(fp16\)"),
+        (dict(block_m=32), r"block_m=32; allowed: 16, 64"),
+        (dict(num_experts=2000), r"num_experts=2000; allowed: 1..1024"),
+        (dict(hidden=100), r"hidden=100; allowed: a positive multiple of 8"),
+        (dict(x=4100), r"x=0x1004 is not 16-byte aligned"),
+        (dict(w13_group=16), r"w13_qweight group=16; allowed: 32, 64, 128, or k_pad"),
+        (dict(w2_n_pad=300), r"w2_qweight n_pad=300; allowed: a positive multiple of 256"),
+        (dict(w13_num_groups=4), r"num_groups=4 with k_pad=256 group=32"),
+        (dict(h_stride=64), r"h_stride=64 must equal w13 n_pad / 2 \(128\)"),
+        (dict(max_pairs=15), r"max_pairs=15 is below the number of .* pairs 16"),
+        (dict(max_tiles=5), r"max_tiles=5; need >= num_experts \+ pairs / block_m \+ 1 = 6"),
+        (dict(max_splits=0), r"max_splits=0; allowed: 1..64"),
+        (
+            dict(split_ws=4096, split_cnt=4096, ws_items=0),
+            r"ws_items=0; must be >= 1 when split_ws is given",
+        ),
+    ],
+)
+def test_run_rejects_bad_arguments(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        mi.run(_args(**kw))
+
+
+def test_smem_fits_99kb_parts():
+    # sm_86/89/120: 99 KB (101376 bytes) per block, 100 KB per SM with 1 KB reserved per
+    # block. The decode tile must fit twice per SM there.
+    assert mi.gemm_smem_bytes(64) <= 101376
+    assert 2 * (mi.gemm_smem_bytes(16) + 1024) <= 102400
