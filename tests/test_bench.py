@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import pcie_a2a
 from pcie_a2a.bench.routing import RoutingSpec, make_routing, ranks_per_token
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -19,7 +20,8 @@ PHASES = ("dispatch", "combine", "disp+comb", "d+e+c")
 
 
 def _bench(*args: str, timeout: float = 90) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "python"))
+    # the children import the same pcie_a2a as this test (source tree or installed)
+    env = dict(os.environ, PYTHONPATH=str(Path(pcie_a2a.__file__).resolve().parents[1]))
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)  # never look like a torchrun rank
     return subprocess.run(

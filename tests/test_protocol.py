@@ -3,6 +3,7 @@ attached to each other), plus the segment lifecycle rules."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import stat
 import subprocess
@@ -93,6 +94,12 @@ def test_reuse_invariant_breaks_without_parity(respect_parity):
 
 
 def test_flags_carry_the_call_number_and_are_never_reset():
+    # Load every native module first: none may change how another's errors surface.
+    for name in ("_numa", "_cuda", "_cuda_transport", "_moe_int4"):
+        try:
+            importlib.import_module(f"pcie_a2a.{name}")
+        except ImportError:
+            pass  # not in a CPU-only build
     t, _, (r0, r1) = _pair()
     try:
         _send(t, r0, seq=5, parity=1, value=1.0)

@@ -6,6 +6,7 @@
 #include <string>
 #include <tuple>
 
+#include "bindings/python_errors.h"
 #include "core/exception.h"
 #include "cuda/quantize_fp8.cuh"
 
@@ -34,6 +35,7 @@ void check_launch() {
 
 PYBIND11_MODULE(_cuda, m) {
   m.doc() = "pcie_a2a CUDA kernels (raw pointers, sizes and streams; no torch ABI)";
+  pa2a::bindings::translate_errors_like_transport();
   m.def("device_count", &device_count, "(count, error string) from cudaGetDeviceCount");
   m.attr("cuda_runtime_version") = CUDART_VERSION;
   m.def(

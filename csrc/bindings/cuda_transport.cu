@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "bindings/python_errors.h"
 #include "core/exception.h"
 #include "cuda/transport/cuda_transport.cuh"
 
@@ -45,32 +46,7 @@ PYBIND11_MODULE(_cuda_transport, m) {
   m.doc() = "pcie_a2a CUDA transport (P2P over CUDA IPC and host-staged; raw pointers, no torch)";
 
   // The same exception classes as the CPU transport, so callers catch one set.
-  py::module_ cpu = py::module_::import("pcie_a2a._transport");
-  static py::object peer_error = cpu.attr("PeerError");
-  static py::object peer_timeout = cpu.attr("PeerTimeoutError");
-  static py::object peer_aborted = cpu.attr("PeerAbortedError");
-  py::register_exception_translator([](std::exception_ptr p) {
-    try {
-      if (p) std::rethrow_exception(p);
-    } catch (const pa2a::Error& e) {
-      switch (e.kind()) {
-        case pa2a::Error::Kind::kValue:
-          PyErr_SetString(PyExc_ValueError, e.what());
-          break;
-        case pa2a::Error::Kind::kTimeout:
-          PyErr_SetString(peer_timeout.ptr(), e.what());
-          break;
-        case pa2a::Error::Kind::kAborted:
-          PyErr_SetString(peer_aborted.ptr(), e.what());
-          break;
-        case pa2a::Error::Kind::kPeer:
-          PyErr_SetString(peer_error.ptr(), e.what());
-          break;
-        default:
-          PyErr_SetString(PyExc_RuntimeError, e.what());
-      }
-    }
-  });
+  pa2a::bindings::translate_errors_like_transport();
 
   m.attr("WIRE_VERSION") = pa2a::kWireVersion;
   m.attr("MAX_WORLD") = pa2a::cuda::kMaxWorld;

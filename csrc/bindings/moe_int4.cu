@@ -6,6 +6,7 @@
 
 #include <exception>
 
+#include "bindings/python_errors.h"
 #include "core/exception.h"
 #include "cuda/moe_int4/layout.h"
 #include "cuda/moe_int4/moe_int4.cuh"
@@ -15,17 +16,7 @@ namespace mi = pa2a::moe_int4;
 
 PYBIND11_MODULE(_moe_int4, m) {
   m.doc() = "pcie_a2a fused W4A16 expert MLP (raw pointers, sizes and streams; no torch ABI)";
-  py::register_exception_translator([](std::exception_ptr p) {
-    try {
-      if (p) std::rethrow_exception(p);
-    } catch (const pa2a::Error& e) {
-      if (e.kind() == pa2a::Error::Kind::kValue) {
-        PyErr_SetString(PyExc_ValueError, e.what());
-      } else {
-        PyErr_SetString(PyExc_RuntimeError, e.what());
-      }
-    }
-  });
+  pa2a::bindings::translate_errors_like_transport();
 
   py::class_<mi::MoeInt4Args> args(m, "Args", "Arguments of run(); see moe_int4.cuh");
   args.def(py::init<>());

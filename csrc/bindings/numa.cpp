@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <string>
 
+#include "bindings/python_errors.h"
 #include "core/exception.h"
 #include "core/numa_memory.h"
 
@@ -26,16 +27,7 @@ void warn_if_needed(const NumaBindResult& r) {
 PYBIND11_MODULE(_numa, m) {
   m.doc() = "NUMA-bound host staging memory (mmap + mbind + first touch, no libnuma)";
 
-  py::register_local_exception_translator([](std::exception_ptr p) {
-    try {
-      if (p) std::rethrow_exception(p);
-    } catch (const pa2a::Error& e) {
-      if (e.kind() == pa2a::Error::Kind::kValue)
-        PyErr_SetString(PyExc_ValueError, e.what());
-      else
-        PyErr_SetString(PyExc_RuntimeError, e.what());
-    }
-  });
+  pa2a::bindings::translate_errors_like_transport();
 
   py::class_<NumaBindResult>(m, "NumaBindResult")
       .def_readonly("bound", &NumaBindResult::bound)

@@ -6,6 +6,7 @@
 
 #include <vector>
 
+#include "bindings/python_errors.h"
 #include "core/dispatch_layout.h"
 #include "core/exception.h"
 #include "core/numeric.h"
@@ -62,32 +63,17 @@ pa2a::WireConfig make_config(int32_t world, int32_t hidden, int32_t max_tokens, 
 PYBIND11_MODULE(_transport, m) {
   m.doc() = "pcie_a2a CPU shared-memory transport (raw pointers; no torch ABI)";
 
-  static py::exception<pa2a::Error> peer_error(m, "PeerError", PyExc_RuntimeError);
-  py::tuple timeout_bases = py::make_tuple(peer_error, py::handle(PyExc_TimeoutError));
-  static py::exception<pa2a::Error> peer_timeout(m, "PeerTimeoutError", timeout_bases);
-  static py::exception<pa2a::Error> peer_aborted(m, "PeerAbortedError", peer_error);
-  py::register_exception_translator([](std::exception_ptr p) {
-    try {
-      if (p) std::rethrow_exception(p);
-    } catch (const pa2a::Error& e) {
-      switch (e.kind()) {
-        case pa2a::Error::Kind::kValue:
-          PyErr_SetString(PyExc_ValueError, e.what());
-          break;
-        case pa2a::Error::Kind::kTimeout:
-          PyErr_SetString(peer_timeout.ptr(), e.what());
-          break;
-        case pa2a::Error::Kind::kAborted:
-          PyErr_SetString(peer_aborted.ptr(), e.what());
-          break;
-        case pa2a::Error::Kind::kPeer:
-          PyErr_SetString(peer_error.ptr(), e.what());
-          break;
-        default:
-          PyErr_SetString(PyExc_RuntimeError, e.what());
-      }
-    }
-  });
+  py::object peer_error = py::reinterpret_steal<py::object>(
+      PyErr_NewException("pcie_a2a._transport.PeerError", PyExc_RuntimeError, nullptr));
+  py::object peer_timeout = py::reinterpret_steal<py::object>(PyErr_NewException(
+      "pcie_a2a._transport.PeerTimeoutError",
+      py::make_tuple(peer_error, py::handle(PyExc_TimeoutError)).ptr(), nullptr));
+  py::object peer_aborted = py::reinterpret_steal<py::object>(
+      PyErr_NewException("pcie_a2a._transport.PeerAbortedError", peer_error.ptr(), nullptr));
+  m.attr("PeerError") = peer_error;
+  m.attr("PeerTimeoutError") = peer_timeout;
+  m.attr("PeerAbortedError") = peer_aborted;
+  pa2a::bindings::translate_errors(peer_error, peer_timeout, peer_aborted);
 
   m.attr("WIRE_VERSION") = pa2a::kWireVersion;
   m.attr("ABORT_COUNT") = pa2a::kAbortCount;
