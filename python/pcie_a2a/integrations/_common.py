@@ -1,0 +1,167 @@
+"""Framework-independent pieces shared by the SGLang and vLLM adapters: version gates,
+the per-process Buffer cache and host staging for tensors the Buffer backend cannot take."""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import warnings
+from importlib.metadata import PackageNotFoundError, version
+
+import torch
+import torch.distributed as dist
+
+from pcie_a2a.buffer import Buffer
+
+DEFAULT_MAX_TOKENS_PER_RANK = 4096
+
+
+def parse_version(text: str) -> tuple[int, ...]:
+    """Leading numeric release of a version string: ``"0.5.23.post1"`` -> ``(0, 5, 23)``."""
+    m = re.match(r"\s*v?(\d+(?:\.\d+)*)", text)
+    if not m:
+        raise ValueError(f"cannot read a version number from {text!r}")
+    return tuple(int(p) for p in m.group(1).split("."))
+
+
+def check_version(
+    package: str,
+    installed: str | None,
+    minimum: tuple[int, ...],
+    below: tuple[int, ...],
+    skip_env: str,
+) -> str:
+    """Raises ImportError unless ``minimum <= installed < below``; returns the version.
+
+    ``installed=None`` reads the installed distribution's version. Setting the environment
+    variable ``skip_env`` to 1 turns the error into a warning (at your own risk).
+    """
+    if installed is None:
+        try:
+            installed = version(package)
+        except PackageNotFoundError as exc:
+            raise ImportError(f"pcie_a2a.integrations: {package} is not installed") from exc
+    lo, hi = ".".join(map(str, minimum)), ".".join(map(str, below))
+    v = parse_version(installed)
+    if minimum <= v < below:
+        return installed
+    msg = (
+        f"pcie_a2a supports {package} >={lo},<{hi}; {package} {installed} is installed. "
+        f"Install a supported {package} release, or set {skip_env}=1 to try anyway."
+    )
+    if os.environ.get(skip_env) == "1":
+        warnings.warn(msg, stacklevel=2)
+        return installed
+    raise ImportError(msg)
+
+
+def max_tokens_per_rank(default: int = DEFAULT_MAX_TOKENS_PER_RANK) -> int:
+    raw = os.environ.get("PCIE_A2A_MAX_TOKENS_PER_RANK")
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"PCIE_A2A_MAX_TOKENS_PER_RANK={raw!r}: expected a positive integer")
+    return value
+
+
+def payload() -> str | None:
+    """``PCIE_A2A_PAYLOAD``: ``fp8`` for the FP8 dispatch payload; default: the dtype of x."""
+    raw = os.environ.get("PCIE_A2A_PAYLOAD", "").strip().lower()
+    if raw in ("", "auto"):
+        return None
+    if raw not in ("bf16", "fp16", "fp8"):
+        raise ValueError(f"PCIE_A2A_PAYLOAD={raw!r}: expected bf16, fp16 or fp8")
+    return raw
+
+
+_BUFFERS: dict[tuple, Buffer] = {}
+_LOCK = threading.Lock()
+
+
+def shared_buffer(
+    group: dist.ProcessGroup | None,
+    num_experts: int,
+    hidden: int,
+    num_topk: int,
+    dtype: torch.dtype,
+    max_tokens: int,
+) -> Buffer:
+    """One Buffer per (group, shape) and process, shared by every MoE layer: layers run one
+    after another, so they can reuse the same regions (as DeepEP's one global buffer).
+
+    Creating it is collective over ``group``: every rank must ask for the same key in the
+    same order (true for layers built and run in model order).
+    """
+    pay = payload() or {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "bf16")
+    key = (id(group), num_experts, hidden, num_topk, dtype, max_tokens, pay)
+    with _LOCK:
+        buf = _BUFFERS.get(key)
+        if buf is None:
+            buf = Buffer(
+                group,
+                num_experts,
+                hidden,
+                max_tokens,
+                dtype=dtype,
+                payload=pay,
+                num_topk=num_topk,
+            )
+            _BUFFERS[key] = buf
+        return buf
+
+
+def close_buffers() -> None:
+    """Closes every cached Buffer of this process (tests; process shutdown)."""
+    with _LOCK:
+        for buf in _BUFFERS.values():
+            buf.close()
+        _BUFFERS.clear()
+
+
+_WARNED: set[str] = set()
+
+
+def to_host(t: torch.Tensor | None, what: str) -> torch.Tensor | None:
+    """The Buffer in this release moves CPU tensors only: device tensors are staged through
+    host memory (correct, slow; warns once per process)."""
+    if t is None or t.device.type == "cpu":
+        return t
+    if what not in _WARNED:
+        _WARNED.add(what)
+        warnings.warn(
+            f"pcie_a2a: {what} is on {t.device}; this build moves tokens through host "
+            "memory (the CUDA transport is not part of this release), which is slow",
+            stacklevel=3,
+        )
+    return t.cpu()
+
+
+def check_topk_ids_width(num_topk: int, got: int, framework: str) -> None:
+    if got > num_topk:
+        raise ValueError(
+            f"pcie_a2a ({framework}): the router returned top-{got} but the layer was "
+            f"configured for top-{num_topk}"
+        )
+
+
+def dispatch(buf: Buffer, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, layout=None):
+    """``buf.dispatch`` (or the low-latency one with ``layout``), naming the environment
+    variable to raise when a call carries more tokens than the buffers were sized for
+    (the Buffer itself tells the peers, so no rank hangs)."""
+    try:
+        if layout is None:
+            return buf.dispatch(x, ids, w)
+        return buf.low_latency_dispatch(x, ids, w, layout=layout)
+    except ValueError as exc:
+        if x.shape[0] > buf.max_tokens_per_rank:
+            raise ValueError(
+                f"pcie_a2a: this rank passed {x.shape[0]} tokens to one MoE call but the "
+                f"buffers hold {buf.max_tokens_per_rank}; set PCIE_A2A_MAX_TOKENS_PER_RANK "
+                f"to at least {x.shape[0]} (e.g. the chunked-prefill size)"
+            ) from exc
+        raise

@@ -1,0 +1,218 @@
+"""The SGLang plugin: what ``register()`` (the ``sglang.srt.plugins`` entry point) changes.
+
+SGLang 0.5.2x has no registry of a2a backends, but its ``MoeA2ABackend`` enum has an unused
+``CUSTOMIZED`` member. The plugin:
+
+1. adds ``pcie`` and ``customized`` to the ``--moe-a2a-backend`` choices and makes
+   ``MoeA2ABackend("pcie")`` resolve to ``CUSTOMIZED`` (so ``pcie`` is an alias: SGLang
+   itself only ever sees ``customized``);
+2. adds both names to the backends whose EP group spans the TP group (``ep_size =
+   tp_size``, as for deepep/pplx);
+3. wraps ``create_moe_dispatcher`` so the ``customized`` backend builds a
+   :class:`PcieA2ADispatcher` (every other backend is untouched);
+4. makes ``post_experts_output_is_complete()`` true under our backend (our combine returns
+   each token's full sum on its source rank, so models skip the EP/TP all-reduce after the
+   MoE), and turns off ``FusedMoE``'s own ``reduce_results`` all-reduce for layers that use
+   our dispatcher;
+5. registers a fused function for (``customized``, ``marlin``) so SGLang's Marlin runner
+   (INT4 GPTQ/AWQ/compressed-tensors MoE) constructs and runs on the received tokens:
+   pcie_a2a's ``moe_int4_mlp`` on the rows when the layer carries packed experts
+   (:func:`attach_int4_experts`), SGLang's Marlin kernel otherwise.
+
+Set ``PCIE_A2A_SGLANG=0`` to keep the plugin installed but inert for ``customized``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+import os
+import typing
+from typing import Any
+
+logger = logging.getLogger("pcie_a2a.integrations.sglang")
+
+A2A_NAME = "customized"
+A2A_ALIAS = "pcie"
+_NAMES = (A2A_ALIAS, A2A_NAME)
+_T_LAYER = "sglang.srt.layers.moe.fused_moe_triton.layer"
+_T_UTILS = "sglang.srt.layers.moe.utils"
+_registered = False
+
+
+def is_active() -> bool:
+    """True when SGLang's a2a backend is ``customized`` (or ``pcie``) and not disabled."""
+    from sglang.srt.layers.moe.utils import get_moe_a2a_backend
+
+    return os.environ.get("PCIE_A2A_SGLANG", "1") != "0" and get_moe_a2a_backend().is_customized()
+
+
+# ---- hooks (module-level so they are picklable and show up by name in SGLang's logs) ------
+def _create_moe_dispatcher(original, *args: Any, **kwargs: Any):
+    if not is_active():
+        return original(*args, **kwargs)
+    from pcie_a2a.integrations.sglang.dispatcher import PcieA2ADispatcher
+
+    cfg = kwargs.get("moe_runner_config", args[0] if args else None)
+    if cfg is None:
+        raise TypeError("create_moe_dispatcher: no moe_runner_config")
+    return PcieA2ADispatcher(cfg)
+
+
+def _post_experts_output_is_complete(original, *args: Any, **kwargs: Any) -> bool:
+    return True if is_active() else original(*args, **kwargs)
+
+
+def _fused_moe_init(result: Any, self: Any, *args: Any, **kwargs: Any) -> None:
+    from pcie_a2a.integrations.sglang.dispatcher import PcieA2ADispatcher
+
+    if isinstance(getattr(self, "dispatcher", None), PcieA2ADispatcher):
+        # The combine already returned complete sums: an all-reduce would add the outputs
+        # of *different* tokens from other DP ranks (or hang on mismatched sizes).
+        self.reduce_results = False
+    return None
+
+
+def _missing_a2a_name(original, cls: Any, value: Any):
+    if value == A2A_ALIAS:
+        return cls.CUSTOMIZED
+    # the registry hands over the plain function behind the classmethod
+    return original(value) if inspect.ismethod(original) else original(cls, value)
+
+
+INT4_ATTR = "pcie_a2a_int4"
+
+
+def attach_int4_experts(layer: Any, experts: Any) -> None:
+    """Gives a MoE layer this rank's routed experts in pcie_a2a's packed INT4 layout
+    (a :class:`pcie_a2a.quant.PackedInt4Experts` of the *local* experts, on the layer's
+    device). The (customized, marlin) fused function then runs ``moe_int4_mlp`` on the
+    received rows instead of SGLang's Marlin kernel."""
+    from pcie_a2a.quant import PackedInt4Experts
+
+    if not isinstance(experts, PackedInt4Experts):
+        raise TypeError(f"experts: got {type(experts).__name__}; expected PackedInt4Experts")
+    setattr(layer, INT4_ATTR, experts)
+
+
+def fused_marlin(dispatch_output: Any, quant_info: Any, runner_config: Any):
+    """The fused function for (customized, marlin).
+
+    Our STANDARD output is pcie_a2a's rows format: received rows ``[R, H]``, local expert
+    ids (-1 = elsewhere) and fp32 weights. When the layer carries packed experts
+    (:func:`attach_int4_experts`), they go through ``pcie_a2a.quant.moe_int4_mlp``
+    (weighted, summed per row, exactly what combine takes); otherwise through SGLang's own
+    Marlin MoE with no global->local expert map (the ids are already local).
+    """
+    from sglang.srt.layers.moe.token_dispatcher.base import DispatchOutputChecker
+    from sglang.srt.layers.moe.token_dispatcher.standard import StandardCombineInput
+
+    if not DispatchOutputChecker.format_is_standard(dispatch_output):
+        raise TypeError(
+            "pcie_a2a: the Marlin runner needs the STANDARD dispatch format; unset "
+            "PCIE_A2A_SGLANG_FORMAT or set it to 'standard'"
+        )
+    experts = getattr(getattr(runner_config, "layer", None), INT4_ATTR, None)
+    if experts is not None:
+        import torch
+
+        from pcie_a2a.quant import moe_int4_mlp
+
+        t = dispatch_output.topk_output
+        y = moe_int4_mlp(
+            dispatch_output.hidden_states,
+            t.topk_ids.to(torch.int32),
+            t.topk_weights.to(torch.float32),
+            experts.w13,
+            experts.w2,
+        )
+        return StandardCombineInput(hidden_states=y)
+    from sglang.srt.layers.moe.moe_runner.marlin import fused_experts_none_to_marlin
+
+    if dataclasses.is_dataclass(quant_info):
+        quant_info = dataclasses.replace(
+            quant_info, expert_map=None, global_num_experts=runner_config.num_local_experts
+        )
+    return fused_experts_none_to_marlin(dispatch_output, quant_info, runner_config)
+
+
+# ---- data patches (no hook API for module constants and CLI metadata) -----------------
+def _patch_cli_choices() -> list[str]:
+    """Appends our names to every ``Arg.choices`` list attached to ``moe_a2a_backend``."""
+    from sglang.srt.server_args import ServerArgs
+
+    patched = []
+    owners: list[Any] = [ServerArgs]
+    try:
+        from sglang.srt.arg_groups.fields.exec_ import ExecMoe
+
+        owners.append(ExecMoe)
+    except ImportError:  # pragma: no cover - older layouts keep the field on ServerArgs only
+        pass
+    for owner in owners:
+        try:
+            hints = typing.get_type_hints(owner, include_extras=True)
+        except Exception:
+            hints = getattr(owner, "__annotations__", {})
+        hint = hints.get("moe_a2a_backend")
+        for meta in getattr(hint, "__metadata__", ()):
+            choices = getattr(meta, "choices", None)
+            if isinstance(choices, list):
+                for name in _NAMES:
+                    if name not in choices:
+                        choices.append(name)
+                patched.append(owner.__name__)
+    if not patched:
+        raise RuntimeError(
+            "pcie_a2a: could not find the --moe-a2a-backend choices in this SGLang; "
+            "it is not a supported version"
+        )
+    return patched
+
+
+def _patch_ep_spanning() -> None:
+    from sglang.srt.arg_groups import overrides
+
+    current = overrides._A2A_EP_SPANNING_BACKENDS
+    if not set(_NAMES) <= set(current):
+        overrides._A2A_EP_SPANNING_BACKENDS = frozenset(current) | frozenset(_NAMES)
+
+
+def _register_marlin() -> None:
+    from sglang.srt.layers.moe.moe_runner.base import FusedOpPool
+
+    if FusedOpPool.get_fused_func(A2A_NAME, "marlin") is None:
+        FusedOpPool.register_fused_func(A2A_NAME, "marlin", fused_marlin)
+
+
+def register() -> None:
+    """Entry point (``sglang.srt.plugins``). Idempotent; SGLang applies the hooks after."""
+    global _registered
+    if _registered:
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from pcie_a2a.integrations.sglang import SGLANG_VERSION
+
+    _patch_cli_choices()
+    _patch_ep_spanning()
+    _register_marlin()
+    HookRegistry.register(f"{_T_UTILS}.MoeA2ABackend._missing_", _missing_a2a_name, HookType.AROUND)
+    HookRegistry.register(
+        f"{_T_LAYER}.create_moe_dispatcher", _create_moe_dispatcher, HookType.AROUND
+    )
+    HookRegistry.register(
+        f"{_T_UTILS}.post_experts_output_is_complete",
+        _post_experts_output_is_complete,
+        HookType.AROUND,
+    )
+    HookRegistry.register(f"{_T_LAYER}.FusedMoE.__init__", _fused_moe_init, HookType.AFTER)
+    _registered = True
+    logger.info(
+        "pcie_a2a SGLang backend registered (sglang %s): select it with "
+        "--moe-a2a-backend %s (alias of %s)",
+        SGLANG_VERSION,
+        A2A_ALIAS,
+        A2A_NAME,
+    )
