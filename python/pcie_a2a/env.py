@@ -77,3 +77,55 @@ def p2p_level() -> str | None:
     if value is not None and value.upper() not in allowed:
         raise ValueError(f"PCIE_A2A_P2P_LEVEL={value!r}: expected one of {', '.join(allowed)}")
     return None if value is None else value.upper()
+
+
+# ---- framework integrations (pcie_a2a.integrations) ---------------------------------------
+def get_int(name: str, default: int, minimum: int = 1) -> int:
+    value = _get(name)
+    if value is None:
+        return default
+    try:
+        parsed = int(value)
+    except ValueError:
+        parsed = minimum - 1
+    if parsed < minimum:
+        raise ValueError(f"{name}={value!r}: expected an integer >= {minimum}")
+    return parsed
+
+
+def max_tokens_per_rank(default: int) -> int:
+    """PCIE_A2A_MAX_TOKENS_PER_RANK: most tokens one rank passes to one MoE call (integrations)."""
+    return get_int("PCIE_A2A_MAX_TOKENS_PER_RANK", default)
+
+
+def payload() -> str | None:
+    """PCIE_A2A_PAYLOAD: ``fp8`` for the FP8 dispatch payload; None: the dtype of x."""
+    value = (_get("PCIE_A2A_PAYLOAD") or "").lower()
+    if value in ("", "auto"):
+        return None
+    if value not in ("bf16", "fp16", "fp8"):
+        raise ValueError(f"PCIE_A2A_PAYLOAD={value!r}: expected bf16, fp16 or fp8")
+    return value
+
+
+def is_one(name: str) -> bool:
+    """A switch that is on only when set to 1 (e.g. PCIE_A2A_SGLANG_SKIP_VERSION_CHECK)."""
+    return _get(name) == "1"
+
+
+def sglang_enabled() -> bool:
+    """PCIE_A2A_SGLANG=0 leaves SGLang's ``customized`` a2a backend to another plugin."""
+    return _get("PCIE_A2A_SGLANG") != "0"
+
+
+def sglang_output_format(allowed: tuple[str, ...]) -> str:
+    """PCIE_A2A_SGLANG_FORMAT: what the SGLang dispatcher emits (default ``standard``)."""
+    value = (_get("PCIE_A2A_SGLANG_FORMAT") or "standard").lower()
+    if value not in allowed:
+        raise ValueError(f"PCIE_A2A_SGLANG_FORMAT={value!r}: expected one of {', '.join(allowed)}")
+    return value
+
+
+def vllm_enabled() -> bool:
+    """PCIE_A2A_VLLM=1 selects pcie_a2a's prepare/finalize in vLLM (off by default)."""
+    return _get("PCIE_A2A_VLLM") == "1"

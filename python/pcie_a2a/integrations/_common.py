@@ -3,7 +3,6 @@ the per-process Buffer cache and host staging for tensors the Buffer backend can
 
 from __future__ import annotations
 
-import os
 import re
 import threading
 import warnings
@@ -12,6 +11,7 @@ from importlib.metadata import PackageNotFoundError, version
 import torch
 import torch.distributed as dist
 
+from pcie_a2a import env
 from pcie_a2a.buffer import Buffer
 
 DEFAULT_MAX_TOKENS_PER_RANK = 4096
@@ -50,33 +50,19 @@ def check_version(
         f"pcie_a2a supports {package} >={lo},<{hi}; {package} {installed} is installed. "
         f"Install a supported {package} release, or set {skip_env}=1 to try anyway."
     )
-    if os.environ.get(skip_env) == "1":
+    if env.is_one(skip_env):
         warnings.warn(msg, stacklevel=2)
         return installed
     raise ImportError(msg)
 
 
 def max_tokens_per_rank(default: int = DEFAULT_MAX_TOKENS_PER_RANK) -> int:
-    raw = os.environ.get("PCIE_A2A_MAX_TOKENS_PER_RANK")
-    if raw is None or raw == "":
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise ValueError(f"PCIE_A2A_MAX_TOKENS_PER_RANK={raw!r}: expected a positive integer")
-    return value
+    return env.max_tokens_per_rank(default)
 
 
 def payload() -> str | None:
     """``PCIE_A2A_PAYLOAD``: ``fp8`` for the FP8 dispatch payload; default: the dtype of x."""
-    raw = os.environ.get("PCIE_A2A_PAYLOAD", "").strip().lower()
-    if raw in ("", "auto"):
-        return None
-    if raw not in ("bf16", "fp16", "fp8"):
-        raise ValueError(f"PCIE_A2A_PAYLOAD={raw!r}: expected bf16, fp16 or fp8")
-    return raw
+    return env.payload()
 
 
 _BUFFERS: dict[tuple, Buffer] = {}

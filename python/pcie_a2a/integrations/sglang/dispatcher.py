@@ -22,7 +22,6 @@ output owes no EP all-reduce (the plugin tells SGLang so).
 
 from __future__ import annotations
 
-import os
 from collections import deque
 from typing import Any
 
@@ -41,6 +40,7 @@ from sglang.srt.layers.moe.token_dispatcher.standard import (
 )
 from sglang.srt.layers.moe.topk import StandardTopKOutput
 
+from pcie_a2a import env
 from pcie_a2a.integrations import _common
 
 OUTPUT_FORMATS = ("standard", "deepep_normal", "deepep_ll")
@@ -48,10 +48,7 @@ FORMAT_ENV = "PCIE_A2A_SGLANG_FORMAT"
 
 
 def output_format_from_env() -> str:
-    fmt = os.environ.get(FORMAT_ENV, "standard").strip().lower() or "standard"
-    if fmt not in OUTPUT_FORMATS:
-        raise ValueError(f"{FORMAT_ENV}={fmt!r}: expected one of {', '.join(OUTPUT_FORMATS)}")
-    return fmt
+    return env.sglang_output_format(OUTPUT_FORMATS)
 
 
 def default_group() -> dist.ProcessGroup | None:

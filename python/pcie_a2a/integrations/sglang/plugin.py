@@ -27,9 +27,10 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
-import os
 import typing
 from typing import Any
+
+from pcie_a2a import env
 
 logger = logging.getLogger("pcie_a2a.integrations.sglang")
 
@@ -45,7 +46,7 @@ def is_active() -> bool:
     """True when SGLang's a2a backend is ``customized`` (or ``pcie``) and not disabled."""
     from sglang.srt.layers.moe.utils import get_moe_a2a_backend
 
-    return os.environ.get("PCIE_A2A_SGLANG", "1") != "0" and get_moe_a2a_backend().is_customized()
+    return env.sglang_enabled() and get_moe_a2a_backend().is_customized()
 
 
 # ---- hooks (module-level so they are picklable and show up by name in SGLang's logs) ------

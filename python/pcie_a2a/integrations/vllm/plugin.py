@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import sys
 from typing import Any
+
+from pcie_a2a import env
 
 # A child of vLLM's logger, so the lines appear in vLLM's log with its handlers.
 logger = logging.getLogger("vllm.pcie_a2a")
@@ -27,7 +28,7 @@ _TARGET = "maybe_make_prepare_finalize"
 
 
 def is_enabled() -> bool:
-    return os.environ.get(ENABLE_ENV, "0") == "1"
+    return env.vllm_enabled()
 
 
 def _wrap(original):
@@ -83,7 +84,7 @@ def register() -> None:
         "(+%d imported modules)",
         VLLM_VERSION,
         ENABLE_ENV,
-        os.environ.get(ENABLE_ENV, "0"),
+        int(env.vllm_enabled()),
         _TARGET,
         rebound,
     )
