@@ -12,7 +12,7 @@ from .live import discover
 from .planner import PlanOptions, expected_distinct_ranks, kimi_k2_decode, plan
 from .probe import ProbeUnavailable, load_probe, measure
 from .render import format_plan, format_tree
-from .sources import current, load
+from .sources import current_with_probe, load_with_probe
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -25,7 +25,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "--from",
         dest="source",
         metavar="FILE",
-        help="nvidia-smi topo -m text, NCCL topology XML or pcie_a2a JSON (default: PCIE_A2A_TOPO_FILE, else this machine)",
+        help="nvidia-smi topo -m text, NCCL topology XML, pcie_a2a JSON, p2pBandwidthLatencyTest "
+        "output, NCCL_DEBUG=INFO path lines or nccl-tests output, told apart by content "
+        "(default: PCIE_A2A_TOPO_FILE, else this machine)",
     )
     p.add_argument("--json", action="store_true", help="print the topology and the plan as JSON")
     p.add_argument(
@@ -72,9 +74,14 @@ def run(args: argparse.Namespace) -> int:
         elif args.probe_file:
             probe = load_probe(args.probe_file)
         if args.source:
-            topo = load(args.source)
+            topo, measured = load_with_probe(args.source)
+        elif args.sysfs == "/sys":
+            topo, measured = current_with_probe(args.sysfs)
         else:
-            topo = current(args.sysfs) if args.sysfs == "/sys" else discover(args.sysfs)
+            topo, measured = discover(args.sysfs), None
+        # A p2pBandwidthLatencyTest file carries its own measurements; numbers asked for on
+        # the command line (--probe, --probe-file) take precedence.
+        probe = probe or measured
         options = PlanOptions.from_env(probe=probe, default_link_gen=args.link_gen)
         n = topo.num_gpus
         traffic = kimi_k2_decode(n, args.tokens) if n >= 2 and 384 % n == 0 else ()

@@ -32,6 +32,10 @@ from typing import Any
 from .errors import TopologyError
 
 CLASS_ORDER = ("NV", "PIX", "PXB", "PHB", "NODE", "SYS")
+# The class of a pair whose path the source does not show (p2pBandwidthLatencyTest and
+# nccl-tests output, pairs cut from an NCCL log). It has no rank: class_rank() refuses it,
+# so every rule that compares classes has to decide what an unknown path means.
+UNKNOWN_CLASS = "?"
 FORMAT = "pcie_a2a.topology"
 VERSION = 1
 
@@ -139,7 +143,8 @@ class Topology:
                     if c != "X":
                         raise TopologyError(f"{self.source}: class[{i}][{i}]={c!r}, expected 'X'")
                     continue
-                class_rank(c)
+                if c != UNKNOWN_CLASS:
+                    class_rank(c)
                 if c != self.classes[j][i]:
                     raise TopologyError(
                         f"{self.source}: class GPU{i}->GPU{j}={c!r} but "

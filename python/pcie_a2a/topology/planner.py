@@ -37,8 +37,8 @@ import numpy as np
 from .. import env
 from . import estimates as est
 from .errors import TopologyError
-from .model import P2PStatus, RootPort, Topology, class_rank, is_nvlink
-from .probe import Probe
+from .model import UNKNOWN_CLASS, P2PStatus, RootPort, Topology, class_rank, is_nvlink
+from .probe import PairMeasurement, Probe
 
 FORMAT = "pcie_a2a.plan"
 VERSION = 1
@@ -293,6 +293,8 @@ def _decide(topo: Topology, a: int, b: int, opt: PlanOptions, gen: int) -> tuple
         return P2P, "P2P forced on (PCIE_A2A_P2P=1)"
     if is_nvlink(cls):
         return P2P, f"NVLink ({cls})"
+    if cls == UNKNOWN_CLASS:
+        return _decide_unknown_path(st, m, opt, gen)
     unknown = (
         "; P2P status unknown here, checked when the transport connects"
         if st == P2PStatus.UNKNOWN
@@ -316,14 +318,44 @@ def _decide(topo: Topology, a: int, b: int, opt: PlanOptions, gen: int) -> tuple
     return P2P, f"{cls} path{unknown}"
 
 
+def _decide_unknown_path(
+    st: P2PStatus, m: PairMeasurement | None, opt: PlanOptions, gen: int
+) -> tuple[str, str]:
+    """Rules 4-6 for a pair whose path class the source does not show: only the P2P status
+    and the measurements are left to decide on, and the reason says so."""
+    if opt.p2p_level is not None:
+        if opt.p2p_level == "SYS":  # SYS admits every path, so the class does not matter
+            return P2P, "PCIE_A2A_P2P_LEVEL=SYS allows any path (path class unknown)"
+        return STAGED, f"PCIE_A2A_P2P_LEVEL={opt.p2p_level} cannot be checked: path class unknown"
+    if m is not None and m.p2p_gbps is not None:
+        staged = m.staged_gbps if m.staged_gbps is not None else est.staged_estimate(gen)[0]
+        kind = "measured" if m.staged_gbps is not None else "table"
+        cmp = ">=" if m.p2p_gbps >= staged else "<"
+        return (
+            P2P if m.p2p_gbps >= staged else STAGED,
+            f"path class unknown; measured P2P {m.p2p_gbps:.1f} GB/s {cmp} staged {staged:.1f} ({kind})",
+        )
+    if st == P2PStatus.SUPPORTED:
+        # The driver allows it and nothing measured says staging is faster. Unlike a known
+        # SYS pair there is no evidence the path crosses the socket link.
+        return P2P, "path class unknown; P2P status supported, no P2P measurement"
+    # Could be a SYS pair, where P2P can lose to staging: stay safe until measured.
+    return STAGED, "path class and P2P status unknown, no P2P measurement (use --probe)"
+
+
 def _estimate(
     topo: Topology, a: int, b: int, transport: str, opt: PlanOptions, gen: int
 ) -> tuple[float, float, str]:
     m = opt.probe.get(a, b) if opt.probe else None
     cls = topo.classes[a][b]
     if transport == P2P:
-        gbps, us = est.p2p_estimate(gen, cls)
-        src = f"table Gen{gen} {cls} P2P"
+        if cls == UNKNOWN_CLASS:
+            # Unknown path: the farthest PCIe class's figure, the one that cannot overpromise.
+            gbps, us = est.p2p_estimate(gen, "SYS")
+            src = f"table Gen{gen} SYS P2P (path class unknown)"
+        else:
+            gbps, us = est.p2p_estimate(gen, cls)
+            src = f"table Gen{gen} {cls} P2P"
         if m is not None and m.p2p_gbps is not None:
             gbps, src = m.p2p_gbps, "probe"
         if m is not None and m.p2p_us is not None:

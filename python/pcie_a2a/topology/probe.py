@@ -19,11 +19,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import parse_error
+from .model import UNKNOWN_CLASS, Gpu, P2PStatus, Topology
+from .nccl_log import parse_test_devices
 from .text import body_lines
 
 FORMAT = "pcie_a2a.probe"
 VERSION = 1
 _DASHES = {"-", "\u2014", "\u2013", "--"}
+_PEER = re.compile(r"Device\s*=\s*(\d+)\s+(CAN|CANNOT)\s+Access\s+Peer\s+Device\s*=\s*(\d+)")
+# "Device: 0, NVIDIA GeForce RTX 3090, pciBusID: 1b, pciDeviceID: 0, pciDomainID:0"
+_DEVICE = re.compile(
+    r"^\s*Device:\s*(\d+),\s*(.+?),\s*pciBusID:\s*([0-9a-fA-F]+),\s*pciDeviceID:\s*"
+    r"([0-9a-fA-F]+),\s*pciDomainID:\s*([0-9a-fA-F]+)"
+)
 
 
 @dataclass(frozen=True)
@@ -112,8 +120,8 @@ def _num(tok: str) -> float | None:
         return None
 
 
-def parse_p2p_test(text: str, source: str = "<text>") -> Probe:
-    """Measurements from p2pBandwidthLatencyTest output (or author tables of it)."""
+def _scan(text: str, source: str) -> list[_Block]:
+    """The measurement blocks of p2pBandwidthLatencyTest output (at least one)."""
     blocks: list[_Block] = []
     heading, heading_line = "", 0
     current: _Block | None = None
@@ -160,7 +168,22 @@ def parse_p2p_test(text: str, source: str = "<text>") -> Probe:
             None,
             "no p2pBandwidthLatencyTest matrix found (a heading, a 'D\\D 0 1 ..' header, rows)",
         )
+    return blocks
 
+
+def _peer_lines(text: str) -> dict[tuple[int, int], bool]:
+    """'Device=0 CAN Access Peer Device=1' / 'CANNOT' lines: cudaDeviceCanAccessPeer."""
+    out = {}
+    for _, line in body_lines(text):
+        m = _PEER.search(line)
+        if m:
+            out[(int(m.group(1)), int(m.group(3)))] = m.group(2) == "CAN"
+    return out
+
+
+def parse_p2p_test(text: str, source: str = "<text>") -> Probe:
+    """Measurements from p2pBandwidthLatencyTest output (or author tables of it)."""
+    blocks = _scan(text, source)
     acc: dict[tuple[int, int], dict[str, Any]] = {}
     for b in blocks:
         kind = _kind(b.heading)
@@ -176,6 +199,9 @@ def parse_p2p_test(text: str, source: str = "<text>") -> Probe:
                 m.setdefault(f"{transport}_us", v)
             else:
                 m.setdefault(f"{transport}_{direction}", v)  # the first block of a kind wins
+    for key, ok in _peer_lines(text).items():
+        if key[0] != key[1]:
+            acc.setdefault(key, {}).setdefault("p2p_possible", ok)
     pairs = {}
     for key, m in acc.items():
         fields: dict[str, Any] = {
@@ -196,6 +222,76 @@ def parse_p2p_test(text: str, source: str = "<text>") -> Probe:
                     fields.pop(f"p2p_{name}", None)
         pairs[key] = PairMeasurement(**fields)
     return Probe(pairs=pairs, source=source)
+
+
+def p2p_test_topology(text: str, source: str = "<text>") -> tuple[Topology, Probe]:
+    """The GPUs of p2pBandwidthLatencyTest output, each pair's P2P status from the P2P
+    Connectivity Matrix (cudaDeviceCanAccessPeer), and the measurements as a probe. The
+    output shows no path, so every class is ? (unknown) and no PCIe tree is made up."""
+    blocks = _scan(text, source)
+    probe = parse_p2p_test(text, source)
+    found: dict[int, tuple[str, str]] = {}  # device -> (name, bus id)
+    for lineno, line in body_lines(text):
+        m = _DEVICE.match(line)
+        if m:
+            dev, name, bus, slot, dom = m.groups()
+            if int(dev) in found:
+                raise parse_error(source, lineno, f"device {dev} listed twice")
+            found[int(dev)] = (name, f"{int(dom, 16):04x}:{int(bus, 16):02x}:{int(slot, 16):02x}.0")
+    seen = {i for b in blocks for key in b.values for i in key} | set(found)
+    seen |= {i for key in _peer_lines(text) for i in key}
+    n = max(seen) + 1
+    notes = [
+        "p2pBandwidthLatencyTest output shows no PCIe tree, NUMA node or path class: every "
+        "class is ? (unknown) and decisions rest on the P2P status and the measured numbers"
+    ]
+    if not found:
+        # Author pages sometimes add an nccl-tests run of the same box: its device list
+        # names the GPUs when it covers exactly the matrix's devices.
+        try:
+            devs = parse_test_devices(text, source)
+        except ValueError:
+            devs = []
+        if devs and sorted(d.device for d in devs) == list(range(n)):
+            found = {d.device: (d.name, d.bus_id or "") for d in devs}
+            notes.append("GPU names and bus ids from the nccl-tests device list in the file")
+    conn = {k: m.p2p_possible for k, m in probe.pairs.items() if m.p2p_possible is not None}
+    p2p = [
+        [
+            P2PStatus.UNKNOWN
+            if i == j or (i, j) not in conn
+            else (P2PStatus.SUPPORTED if conn[(i, j)] else P2PStatus.UNSUPPORTED)
+            for j in range(n)
+        ]
+        for i in range(n)
+    ]
+    if conn:
+        notes.append(
+            "P2P status from the P2P Connectivity Matrix (cudaDeviceCanAccessPeer; 0 does not "
+            "say whether hardware or driver policy refuses, it is shown as unsupported)"
+        )
+    else:
+        notes.append(
+            "no P2P Connectivity Matrix in the file: P2P status unknown; 'P2P=Enabled' numbers "
+            "are taken as P2P measurements"
+        )
+    notes.append("the file's measurements are the probe (--probe / --probe-file replace them)")
+    gpus = tuple(
+        Gpu(
+            index=i,
+            name=found[i][0] if i in found else None,
+            bus_id=(found[i][1] or None) if i in found else None,
+        )
+        for i in range(n)
+    )
+    topo = Topology(
+        gpus=gpus,
+        classes=tuple(tuple("X" if i == j else UNKNOWN_CLASS for j in range(n)) for i in range(n)),
+        p2p=tuple(tuple(r) for r in p2p),
+        source=source,
+        notes=tuple(notes),
+    )
+    return topo, probe
 
 
 def load_probe(path: str) -> Probe:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from .model import Topology
+from .model import UNKNOWN_CLASS, Topology
 from .planner import P2P, STAGED, Plan
 
 _STATUS = {"supported": "S", "unsupported": "U", "disabled": "D", "unknown": "?"}
@@ -60,6 +60,15 @@ def format_tree(topo: Topology) -> str:
                 ):
                     out.append(f"        root port {rp.id}")
                     below(rp.id, 5)
+    loose = [g for g in topo.gpus if g.parent is None]
+    if loose:
+        # Sources without a PCIe tree (p2pBandwidthLatencyTest, NCCL logs, nccl-tests): the
+        # GPUs are still listed, with what the source tells about them.
+        out.append("  GPUs (no PCIe tree in the source)")
+        for gpu in loose:
+            extra = " ".join(x for x in (gpu.bus_id, gpu.name) if x)
+            node = f"NUMA node {gpu.numa_node}" if gpu.numa_node is not None else "NUMA node ?"
+            out.append(f"    GPU{gpu.index}  {node}{'  ' + extra if extra else ''}")
     orphans = [
         r
         for r in topo.root_ports
@@ -101,6 +110,8 @@ def format_plan(plan: Plan, traffic_note: str = "") -> str:
     if n == 0:
         return "no GPUs: nothing to plan"
     out.append("pairs (row sends to column): path class, P2P status, transport, expected GB/s")
+    if any(p.path_class == UNKNOWN_CLASS for p in plan.pairs):
+        out.append("  path class ? unknown: the source does not show the path between the GPUs;")
     out.append("  status S supported, U unsupported, D disabled by driver, ? unknown;")
     out.append(
         "  transport P direct P2P, H host-staged; GB/s per direction with both directions busy"
