@@ -33,7 +33,7 @@ def _send(t, sender, seq, parity, value):
     x = torch.full((1, H), value, dtype=torch.bfloat16)
     ids = torch.tensor([[1, -1]], dtype=torch.int32)  # expert 1 lives on rank 1
     w = torch.ones(1, 2)
-    placement = t.Placement([0, 1, 2], [0, 1], [0, 0])
+    placement = t.Placement([0, 1, 2], [0, 1], [0, 0], W)
     send_token = torch.empty(W * M, dtype=torch.int32)
     send_count = torch.empty(W, dtype=torch.int32)
     sender.dispatch_send(
@@ -171,3 +171,18 @@ def test_buffer_close_twice_and_use_after_close(single_rank_group):
     with pcie_a2a.Buffer(None, 8, 128, 4) as other:
         with pytest.raises(ValueError, match="another Buffer"):
             other.combine(res.x, res.handle)
+
+
+@pytest.mark.parametrize(
+    "offset, rank, local, fragment",
+    [
+        ([0, 1], [5], [0], "placement replica 0 is out of range"),  # rank 5 of 2
+        ([0, 1], [0], [-1], "placement replica 0 is out of range"),
+        ([0, 0, 1], [0], [0], "expert 0 has no replica"),
+        ([0, 2], [0], [0], "placement CSR arrays are inconsistent"),
+    ],
+)
+def test_native_placement_table_is_validated(offset, rank, local, fragment):
+    """A bad table would index past the peer list: refused before any call."""
+    with pytest.raises(ValueError, match=fragment):
+        _native.transport().Placement(offset, rank, local, W)

@@ -28,18 +28,6 @@ cudaStream_t stream_of(uintptr_t s) {
   return reinterpret_cast<cudaStream_t>(s);
 }
 
-pa2a::WireConfig make_config(int32_t world, int32_t hidden, int32_t max_tokens, int32_t num_topk,
-                             int payload, int dtype) {
-  pa2a::WireConfig c;
-  c.world = world;
-  c.hidden = hidden;
-  c.max_tokens = max_tokens;
-  c.num_topk = num_topk;
-  c.payload = static_cast<pa2a::Payload>(payload);
-  c.dtype = static_cast<pa2a::DType>(dtype);
-  return c;
-}
-
 }  // namespace
 
 PYBIND11_MODULE(_cuda_transport, m) {
@@ -59,7 +47,8 @@ PYBIND11_MODULE(_cuda_transport, m) {
                        int32_t max_tokens, int32_t num_topk, int payload, int dtype, int32_t device,
                        int32_t num_local_experts, bool need_host_region, int32_t host_numa_node) {
              return new CudaTransport(
-                 prefix, rank, make_config(world, hidden, max_tokens, num_topk, payload, dtype),
+                 prefix, rank,
+                 pa2a::make_wire_config(world, hidden, max_tokens, num_topk, payload, dtype),
                  device, num_local_experts, need_host_region, host_numa_node);
            }),
            py::arg("prefix"), py::arg("rank"), py::arg("world"), py::arg("hidden"),

@@ -36,26 +36,11 @@ struct PlacementTable {
 };
 
 PlacementTable make_placement(std::vector<int32_t> offset, std::vector<int32_t> rank,
-                              std::vector<int32_t> local) {
-  PA2A_CHECK_ARG(offset.size() >= 2 && offset.front() == 0 &&
-                     static_cast<size_t>(offset.back()) == rank.size() &&
-                     rank.size() == local.size(),
-                 "placement CSR arrays are inconsistent");
-  for (size_t e = 0; e + 1 < offset.size(); ++e)
-    PA2A_CHECK_ARG(offset[e + 1] > offset[e], "expert ", e, " has no replica");
+                              std::vector<int32_t> local, int32_t world) {
+  PA2A_CHECK_ARG(rank.size() == local.size(), "placement rank/local arrays differ in length");
+  pa2a::check_placement(offset.data(), offset.size(), rank.data(), local.data(), rank.size(),
+                        world);
   return PlacementTable{std::move(offset), std::move(rank), std::move(local)};
-}
-
-pa2a::WireConfig make_config(int32_t world, int32_t hidden, int32_t max_tokens, int32_t num_topk,
-                             int payload, int dtype) {
-  pa2a::WireConfig c;
-  c.world = world;
-  c.hidden = hidden;
-  c.max_tokens = max_tokens;
-  c.num_topk = num_topk;
-  c.payload = static_cast<pa2a::Payload>(payload);
-  c.dtype = static_cast<pa2a::DType>(dtype);
-  return c;
 }
 
 }  // namespace
@@ -79,7 +64,8 @@ PYBIND11_MODULE(_transport, m) {
   m.attr("ABORT_COUNT") = pa2a::kAbortCount;
 
   py::class_<PlacementTable>(m, "Placement")
-      .def(py::init(&make_placement), py::arg("offset"), py::arg("rank"), py::arg("local"))
+      .def(py::init(&make_placement), py::arg("offset"), py::arg("rank"), py::arg("local"),
+           py::arg("world"))
       .def_property_readonly("num_experts",
                              [](const PlacementTable& p) { return p.view().num_experts; });
 
@@ -87,7 +73,7 @@ PYBIND11_MODULE(_transport, m) {
       "slot_bytes",
       [](int32_t world, int32_t hidden, int32_t max_tokens, int32_t num_topk, int payload,
          int dtype) {
-        const auto c = make_config(world, hidden, max_tokens, num_topk, payload, dtype);
+        const auto c = pa2a::make_wire_config(world, hidden, max_tokens, num_topk, payload, dtype);
         const auto l = pa2a::segment_layout(c);
         return py::make_tuple(l.dispatch_slot, l.combine_slot, l.total);
       },
@@ -136,7 +122,8 @@ PYBIND11_MODULE(_transport, m) {
       .def(py::init([](const std::string& prefix, int32_t rank, int32_t world, int32_t hidden,
                        int32_t max_tokens, int32_t num_topk, int payload, int dtype) {
              return new ShmTransport(
-                 prefix, rank, make_config(world, hidden, max_tokens, num_topk, payload, dtype));
+                 prefix, rank,
+                 pa2a::make_wire_config(world, hidden, max_tokens, num_topk, payload, dtype));
            }),
            py::arg("prefix"), py::arg("rank"), py::arg("world"), py::arg("hidden"),
            py::arg("max_tokens"), py::arg("num_topk"), py::arg("payload"), py::arg("dtype"))

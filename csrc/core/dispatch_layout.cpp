@@ -6,6 +6,18 @@
 
 namespace pa2a {
 
+void check_placement(const int32_t* offset, size_t num_offsets, const int32_t* rank,
+                     const int32_t* local, size_t num_replicas, int32_t world) {
+  PA2A_CHECK_ARG(num_offsets >= 2 && offset[0] == 0 &&
+                     static_cast<size_t>(offset[num_offsets - 1]) == num_replicas,
+                 "placement CSR arrays are inconsistent");
+  for (size_t e = 0; e + 1 < num_offsets; ++e)
+    PA2A_CHECK_ARG(offset[e + 1] > offset[e], "expert ", e, " has no replica");
+  for (size_t i = 0; i < num_replicas; ++i)
+    PA2A_CHECK_ARG(rank[i] >= 0 && rank[i] < world && local[i] >= 0, "placement replica ", i,
+                   " is out of range");
+}
+
 void dispatch_layout(const int32_t* topk_ids, int32_t num_tokens, int32_t topk,
                      const Placement& placement, int32_t world, int32_t rank, int32_t max_tokens,
                      int32_t* tokens_per_rank, int32_t* tokens_per_expert,

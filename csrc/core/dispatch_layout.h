@@ -7,6 +7,10 @@
 
 namespace pa2a {
 
+// Validates a placement map in CSR form (see routing.h) for `world` ranks; throws ValueError.
+void check_placement(const int32_t* offset, size_t num_offsets, const int32_t* rank,
+                     const int32_t* local, size_t num_replicas, int32_t world);
+
 // tokens_per_rank[world], tokens_per_expert[num_experts] (global ids, replicas merged),
 // is_token_in_rank[num_tokens * world] (0/1 bytes). Outputs are overwritten.
 void dispatch_layout(const int32_t* topk_ids, int32_t num_tokens, int32_t topk,

@@ -202,6 +202,8 @@ void ShmTransport::dispatch_send(uint32_t seq, uint32_t op, int parity, const vo
                      " is not an expert id in [0, ", placement.num_experts, ")");
       int32_t d = 0, l = 0;
       select_replica(placement, e, gtok, &d, &l);
+      PA2A_CHECK_ARG(d >= 0 && d < W, "placement sends expert ", e, " to rank ", d,
+                     ", not a rank of this ", W, "-rank group");
       const size_t at = static_cast<size_t>(d) * K + n_dest[d]++;
       local[at] = l;
       weight[at] = topk_weights[static_cast<size_t>(t) * topk + k];

@@ -98,6 +98,19 @@ struct WireConfig {
   DType dtype = DType::kBF16;  // of x and of combine rows
 };
 
+// From the integer codes that cross the Python boundary.
+PA2A_HD WireConfig make_wire_config(int32_t world, int32_t hidden, int32_t max_tokens,
+                                    int32_t num_topk, int32_t payload, int32_t dtype) {
+  WireConfig c;
+  c.world = world;
+  c.hidden = hidden;
+  c.max_tokens = max_tokens;
+  c.num_topk = num_topk;
+  c.payload = static_cast<Payload>(payload);
+  c.dtype = static_cast<DType>(dtype);
+  return c;
+}
+
 // Header of a dispatch row. Followed by int32 local_expert[num_topk] (-1 padded),
 // float weight[num_topk], then the payload: hidden 16-bit values, or hidden fp8 bytes
 // followed by hidden / 128 fp32 scales. Each part starts 16-byte aligned.

@@ -376,7 +376,9 @@ class Buffer:
 
     def _placement_table(self):
         if not hasattr(self, "_placement_native"):
-            self._placement_native = _native.transport().Placement(*self.placement.csr())
+            self._placement_native = _native.transport().Placement(
+                *self.placement.csr(), self.world
+            )
         return self._placement_native
 
     # ---- validation --------------------------------------------------------------------

@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <cstring>
 
+#include "core/dispatch_layout.h"
 #include "core/exception.h"
 #include "core/numa_memory.h"
 
@@ -290,15 +291,9 @@ void CudaTransport::set_placement(const std::vector<int32_t>& offset,
                                   const std::vector<int32_t>& rank,
                                   const std::vector<int32_t>& local) {
   require_open("set_placement");
-  PA2A_CHECK_ARG(offset.size() >= 2 && offset.front() == 0 &&
-                     static_cast<size_t>(offset.back()) == rank.size() &&
-                     rank.size() == local.size(),
-                 "placement CSR arrays are inconsistent");
-  for (size_t e = 0; e + 1 < offset.size(); ++e)
-    PA2A_CHECK_ARG(offset[e + 1] > offset[e], "expert ", e, " has no replica");
-  for (size_t i = 0; i < rank.size(); ++i)
-    PA2A_CHECK_ARG(rank[i] >= 0 && rank[i] < config_.world && local[i] >= 0, "placement replica ",
-                   i, " is out of range");
+  PA2A_CHECK_ARG(rank.size() == local.size(), "placement rank/local arrays differ in length");
+  check_placement(offset.data(), offset.size(), rank.data(), local.data(), rank.size(),
+                  config_.world);
   DeviceGuard guard(device_);
   if (placement_dev_ != nullptr) {
     PA2A_CUDA_CHECK(cudaDeviceSynchronize());  // a running kernel may read the old map
