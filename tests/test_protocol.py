@@ -186,3 +186,16 @@ def test_native_placement_table_is_validated(offset, rank, local, fragment):
     """A bad table would index past the peer list: refused before any call."""
     with pytest.raises(ValueError, match=fragment):
         _native.transport().Placement(offset, rank, local, W)
+
+
+def test_timeout_default_comes_from_the_environment(single_rank_group, monkeypatch):
+    import pcie_a2a
+
+    monkeypatch.setenv("PCIE_A2A_TIMEOUT_S", "2.5")
+    with pcie_a2a.Buffer(None, 8, 128, 4) as buf:
+        assert buf.timeout_s == 2.5
+    with pcie_a2a.Buffer(None, 8, 128, 4, timeout_s=7) as buf:
+        assert buf.timeout_s == 7.0  # an explicit argument wins
+    monkeypatch.setenv("PCIE_A2A_TIMEOUT_S", "soon")
+    with pytest.raises(ValueError, match="PCIE_A2A_TIMEOUT_S='soon'"):
+        pcie_a2a.Buffer(None, 8, 128, 4)

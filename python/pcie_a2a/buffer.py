@@ -101,8 +101,11 @@ class Buffer:
             scale per 128 channels, quantised by the sender).
         placement: a :class:`Placement`, or a list giving each expert's ``(rank, local)``
             (or a list of them for redundant copies). Default: contiguous blocks.
-        backend: ``"auto"`` (``PCIE_A2A_BACKEND`` or the best available), ``"cpu"``.
+        backend: ``"auto"`` (``PCIE_A2A_BACKEND``, else ``"cuda"`` when
+            :func:`cuda_available`, else ``"cpu"``), ``"cpu"`` or ``"cuda"`` (not yet run on
+            a GPU: see the README).
         timeout_s: per-call deadline; a peer that does not arrive raises PeerTimeoutError.
+            Default: ``PCIE_A2A_TIMEOUT_S`` or 30 s.
         num_topk: largest top-k a call may pass (expert slots per row on the wire).
     """
 
@@ -117,7 +120,7 @@ class Buffer:
         payload: str = "bf16",
         placement: Placement | list | None = None,
         backend: str = "auto",
-        timeout_s: float = 30.0,
+        timeout_s: float | None = None,
         num_topk: int = 8,
     ):
         self._transport = None
@@ -154,6 +157,8 @@ class Buffer:
             raise _fail(ValueError, "hidden", hidden, "a multiple of 8 (16-byte rows)")
         if payload == "fp8" and hidden % 128:
             raise _fail(ValueError, "hidden", hidden, "a multiple of 128 with payload='fp8'")
+        if timeout_s is None:
+            timeout_s = env.timeout_s(30.0)
         if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
             raise _fail(ValueError, "timeout_s", repr(timeout_s), "a positive number of seconds")
         if placement is None:
