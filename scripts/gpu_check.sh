@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds pcie_a2a for the local GPU and runs every GPU test plus a short benchmark; prints
-# a summary table last. Budget: under 8 minutes on one GPU (build ~2-3 min, tests ~3 min,
-# bench <= 2 min). Exit status: non-zero when the build or any GPU test failed.
+# a summary table last. Budget: under 11 minutes on one GPU (build ~2-3 min, tests ~3 min,
+# one-GPU CUDA bench <= 3.5 min, bench <= 2 min). Exit status: non-zero when the build or
+# any GPU test failed (the benchmarks only report).
 #   scripts/gpu_check.sh              # build in build/gpu-check, run everything
 #   SKIP_BUILD=1 scripts/gpu_check.sh # reuse the modules already in python/pcie_a2a
 set -uo pipefail
@@ -60,6 +61,26 @@ if [[ $status -eq 0 ]]; then
   fi
 fi
 
+# ---- one-GPU CUDA transport benchmark (ranks share GPU 0: not PCIe numbers) ---------------
+# Skipped when the build or a GPU test failed, to save device time. Its table is printed
+# again just above the summary; the JSON is $log_dir/bench_cuda_one_gpu.json.
+t=$(now)
+one_gpu_log="$log_dir/bench_cuda_one_gpu.log"
+rm -f "$one_gpu_log" "$log_dir/bench_cuda_one_gpu.json"  # no stale table from an earlier run
+if [[ $status -eq 0 ]]; then
+  timeout 210 python benchmarks/bench_cuda_one_gpu.py --json "$log_dir/bench_cuda_one_gpu.json" \
+    > "$one_gpu_log" 2>&1
+  rc=$?
+  case $rc in
+    0) row "bench cuda one GPU (1-8 ranks)" ok "$(( $(now) - t ))s" "table below; $one_gpu_log" ;;
+    2) row "bench cuda one GPU (1-8 ranks)" skipped "$(( $(now) - t ))s" "$(tail -1 "$one_gpu_log")" ;;
+    124) row "bench cuda one GPU (1-8 ranks)" FAIL "$(( $(now) - t ))s" "TIMEOUT after 210s ($one_gpu_log)" ;;
+    *) row "bench cuda one GPU (1-8 ranks)" FAIL "$(( $(now) - t ))s" "a world failed or rc=$rc ($one_gpu_log)" ;;
+  esac
+else
+  row "bench cuda one GPU (1-8 ranks)" skipped "0s" "build or a GPU test failed"
+fi
+
 # ---- short benchmark (pcie-a2a bench vs NCCL all_to_all_single) ----------------------------
 # NCCL cannot put two ranks on one GPU, so on a one-GPU machine only our path runs.
 t=$(now)
@@ -82,6 +103,11 @@ else
 fi
 
 # ---- summary (last) ----------------------------------------------------------------------
+if [[ -s "$one_gpu_log" ]] && grep -q "^world payload" "$one_gpu_log"; then
+  echo
+  echo "bench_cuda_one_gpu (from $one_gpu_log):"
+  sed -n '/^world payload/,$p' "$one_gpu_log"
+fi
 echo
 echo "pcie_a2a GPU check on: $(cat "$log_dir/gpu.txt")"
 printf '%-34s %-8s %8s  %s\n' "step" "result" "time" "detail"
