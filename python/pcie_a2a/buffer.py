@@ -101,9 +101,8 @@ class Buffer:
             scale per 128 channels, quantised by the sender).
         placement: a :class:`Placement`, or a list giving each expert's ``(rank, local)``
             (or a list of them for redundant copies). Default: contiguous blocks.
-        backend: ``"auto"`` (``PCIE_A2A_BACKEND``, else ``"cuda"`` when
-            :func:`cuda_available`, else ``"cpu"``), ``"cpu"`` or ``"cuda"`` (not yet run on
-            a GPU: see the README).
+        backend: ``"auto"`` (``PCIE_A2A_BACKEND``, else ``"cpu"``), ``"cpu"``, or ``"cuda"``
+            (explicit opt-in: the CUDA transport has not yet run on a GPU, see the README).
         timeout_s: per-call deadline; a peer that does not arrive raises PeerTimeoutError.
             Default: ``PCIE_A2A_TIMEOUT_S`` or 30 s.
         num_topk: largest top-k a call may pass (expert slots per row on the wire).
@@ -200,7 +199,9 @@ class Buffer:
         if backend not in ("auto", "cpu", "cuda"):
             raise _fail(ValueError, "backend", repr(backend), "'auto', 'cpu', 'cuda'")
         if backend == "auto":
-            backend = env.backend() or ("cuda" if _native.cuda_available() else "cpu")
+            # The CUDA transport has only been compiled, never run on a GPU (README): until
+            # it has, "auto" stays on the CPU transport and "cuda" is an explicit opt-in.
+            backend = env.backend() or "cpu"
         if backend == "cuda" and not _native.cuda_available():
             raise ValueError(
                 f"backend='cuda' is not available here: {_native.cuda_unavailable_reason()}; "
