@@ -64,6 +64,16 @@ def make_entry_point_dist(group: str, name: str, value: str) -> str:
     return root
 
 
+def declare_entry_point(group: str, value: str, env_name: str) -> None:
+    """Makes ``pcie_a2a = value`` discoverable in ``group`` for this process and for the
+    rank processes it spawns: the dist-info directory made once is passed down through
+    ``env_name`` (spawned children import the test module again)."""
+    if not os.environ.get(env_name):
+        os.environ[env_name] = make_entry_point_dist(group, "pcie_a2a", value)
+    if os.environ[env_name] not in sys.path:
+        sys.path.append(os.environ[env_name])
+
+
 def moe_problem(rank: int, world: int, num_experts: int, top_k: int, hidden: int, seed: int):
     """Per-rank tokens and routes (rank 1 of 3+ ranks sends no tokens), plus the global
     expert weights every rank can rebuild."""

@@ -10,12 +10,11 @@ import json
 import logging
 import os
 import shutil
-import sys
 import tempfile
 
 import numpy as np
 import pytest
-from fw_utils import dense_reference, import_framework, make_entry_point_dist, moe_problem
+from fw_utils import declare_entry_point, dense_reference, import_framework, moe_problem
 
 from dist_utils import run_ok
 
@@ -23,13 +22,9 @@ import_framework("sglang.srt.layers.moe.token_dispatcher")
 
 from pcie_a2a.integrations import _common  # noqa: E402
 
-EP_GROUP = "sglang.srt.plugins"
-EP_VALUE = "pcie_a2a.integrations.sglang:register"
-_EP_ENV = "PCIE_A2A_FWTEST_SGLANG_EP_DIR"
-if not os.environ.get(_EP_ENV):
-    os.environ[_EP_ENV] = make_entry_point_dist(EP_GROUP, "pcie_a2a", EP_VALUE)
-if os.environ[_EP_ENV] not in sys.path:
-    sys.path.append(os.environ[_EP_ENV])
+declare_entry_point(
+    "sglang.srt.plugins", "pcie_a2a.integrations.sglang:register", "PCIE_A2A_FWTEST_SGLANG_EP_DIR"
+)
 
 
 _TINY_QWEN3_MOE = {

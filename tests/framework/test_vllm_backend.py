@@ -10,7 +10,7 @@ import os
 import sys
 
 import pytest
-from fw_utils import dense_reference, import_framework, make_entry_point_dist, moe_problem
+from fw_utils import declare_entry_point, dense_reference, import_framework, moe_problem
 
 from dist_utils import run_ok
 
@@ -18,13 +18,9 @@ import_framework("vllm.model_executor.layers.fused_moe.modular_kernel")
 
 from pcie_a2a.integrations import _common  # noqa: E402
 
-EP_GROUP = "vllm.general_plugins"
-EP_VALUE = "pcie_a2a.integrations.vllm:register"
-_EP_ENV = "PCIE_A2A_FWTEST_VLLM_EP_DIR"
-if not os.environ.get(_EP_ENV):
-    os.environ[_EP_ENV] = make_entry_point_dist(EP_GROUP, "pcie_a2a", EP_VALUE)
-if os.environ[_EP_ENV] not in sys.path:
-    sys.path.append(os.environ[_EP_ENV])
+declare_entry_point(
+    "vllm.general_plugins", "pcie_a2a.integrations.vllm:register", "PCIE_A2A_FWTEST_VLLM_EP_DIR"
+)
 
 
 class _Capture(logging.Handler):
