@@ -11,6 +11,10 @@ uniform routing, bf16 activations), fp8 and bf16 payloads, rows layout, through 
 graph-capturable ``CudaTransport`` methods:
   dispatch = dispatch_send_async + recv_rows_async (device-side flag wait)
   combine  = combine_send_async + combine_recv_async
+and a prefill step (PREFILL_TOKENS per rank, bf16) in normal mode through the Buffer's
+methods (dispatch_send + wait + unpack_rows, combine_send + combine_recv), once with warp
+stores only ("normal-warp") and once with every pair on the copy engine
+("normal-copy_engine": cudaMemcpyAsync + flag kernel), to compare the two send paths.
 Each timed call starts after a gloo all_reduce (every rank starts together) and is
 bracketed by CUDA events on the rank's stream. A call's time is the slowest rank's;
 median and p99 are over iterations. Bytes come from ``CudaTransport.last_bytes()``,
@@ -38,6 +42,8 @@ if importlib.util.find_spec("pcie_a2a") is None:  # not installed: the source tr
     sys.path.insert(0, str(ROOT / "python"))
 
 HIDDEN, EXPERTS, TOPK, TOKENS = 7168, 384, 8, 128
+PREFILL_TOKENS = 2048
+NORMAL_SETTINGS = {"normal-warp": None, "normal-copy_engine": 0}  # copy_engine_min_bytes
 PAYLOADS = {"fp8": 2, "bf16": 0}
 NOTE = (
     "ONE GPU: all ranks share GPU 0 and time-slice its SMs; IPC stays in one device's "
@@ -250,6 +256,106 @@ def _rank_main(rank: int, world: int, warmup: int, iters: int, budget_s: float) 
             dist.barrier()  # every rank done before anyone frees its segment
         finally:
             tx.close()
+    out.update(_rank_normal(rank, world, warmup, iters, budget_s / 2))
+    return out
+
+
+def _timed_loop(tx, steps, warmup: int, iters: int, budget_s: float):
+    """Runs each (op, fn) of `steps` per iteration after a collective start; returns the
+    per-op event times and the bytes of each op's last call."""
+    import torch
+    import torch.distributed as dist
+
+    times: dict[str, list[float]] = {op: [] for op, _ in steps}
+    nbytes: dict[str, list[int]] = {}
+    deadline = None
+    for it in range(warmup + iters):
+        if it == warmup:
+            deadline = time.monotonic() + budget_s
+        stop = torch.tensor([int(deadline is not None and time.monotonic() > deadline)])
+        dist.all_reduce(stop, op=dist.ReduceOp.MAX)
+        if stop.item():
+            break
+        for op, fn in steps:
+            dist.barrier()
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            tx.check()
+            if it >= warmup:
+                times[op].append(start.elapsed_time(end) / 1e3)
+            nbytes[op] = tx.last_bytes()
+    return times, nbytes
+
+
+def _rank_normal(rank: int, world: int, warmup: int, iters: int, budget_s: float) -> dict:
+    """Normal-mode prefill step, warp stores vs copy engine (NORMAL_SETTINGS)."""
+    import torch
+    import torch.distributed as dist
+
+    from pcie_a2a.cuda_backend import CudaTransport
+    from pcie_a2a.placement import Placement
+
+    dev = torch.device("cuda", 0)
+    m = PREFILL_TOKENS
+    g = torch.Generator(device="cuda:0").manual_seed(2000 + rank)
+    x = torch.randn(m, HIDDEN, generator=g, device=dev).to(torch.bfloat16)
+    ids = torch.rand(m, EXPERTS, generator=g, device=dev).topk(TOPK, dim=1).indices.int()
+    w = torch.softmax(torch.rand(m, TOPK, generator=g, device=dev), dim=1)
+    tx = CudaTransport(
+        None, rank, world, HIDDEN, m, TOPK, 0, 0, Placement.contiguous(EXPERTS, world),
+        device=0, timeout_s=10.0, copy_engine_min_bytes=None,
+    )  # fmt: skip
+    out: dict = {}
+    state = {"seq": 0, "calls": [0, 0]}
+    try:
+        st = {
+            "send_token": torch.empty(world * m, dtype=torch.int32, device=dev),
+            "send_count": torch.empty(world, dtype=torch.int32, device=dev),
+        }
+
+        def begin(family: int) -> tuple[int, int]:
+            state["seq"] += 1
+            state["calls"][family] += 1
+            return state["seq"], state["calls"][family] & 1
+
+        def dispatch() -> None:
+            seq, parity = begin(0)
+            tx.dispatch_send(seq, 1, parity, x, m, ids, w, TOPK, None, st["send_token"],
+                             st["send_count"])  # fmt: skip
+            counts = tx.wait(seq, 1, 10.0)
+            total = sum(counts)
+            st["counts"] = torch.tensor(counts, dtype=torch.int32, device=dev)
+            st["row_base"] = torch.zeros(world, dtype=torch.int64, device=dev)
+            st["row_base"][1:] = torch.cumsum(st["counts"], 0)[:-1]
+            st["xo"] = torch.empty(total, HIDDEN, dtype=torch.bfloat16, device=dev)
+            per_expert = torch.empty(tx.num_local_experts, dtype=torch.int32, device=dev)
+            tx.unpack_rows(parity, st["counts"], st["row_base"], st["xo"], None, None,
+                           torch.empty(total, dtype=torch.int32, device=dev),
+                           torch.empty(total, dtype=torch.int32, device=dev),
+                           torch.empty(total, TOPK, dtype=torch.int32, device=dev),
+                           torch.empty(total, TOPK, dtype=torch.float32, device=dev),
+                           tx.num_local_experts, per_expert)  # fmt: skip
+
+        def combine() -> None:
+            seq, parity = begin(1)
+            tx.combine_send(seq, 2, parity, st["xo"], st["counts"], st["row_base"])
+            res = torch.empty(m, HIDDEN, dtype=torch.bfloat16, device=dev)
+            tx.combine_recv(seq, 2, parity, 10.0, st["send_token"], st["send_count"], m, res)
+
+        for name, min_bytes in NORMAL_SETTINGS.items():
+            tx.copy_engine_min_bytes = min_bytes
+            times, nbytes = _timed_loop(
+                tx, [("dispatch", dispatch), ("combine", combine)], warmup, iters, budget_s
+            )
+            out[name] = {"times_s": times, "bytes_per_dest": nbytes}
+        torch.cuda.synchronize()
+        dist.barrier()
+    finally:
+        tx.close()
     return out
 
 
@@ -294,7 +400,7 @@ def run_world(world: int, args: argparse.Namespace, copy_gbps: float) -> list[di
         return [{"world": world, "ok": False, "error": why}]
     ranks = [o.value for o in outcomes]
     rows = []
-    for payload in PAYLOADS:
+    for payload in [*PAYLOADS, *NORMAL_SETTINGS]:
         for op in ("dispatch", "combine"):
             rows.append(summarise(world, payload, op, ranks, copy_gbps))
     return rows
@@ -302,7 +408,7 @@ def run_world(world: int, args: argparse.Namespace, copy_gbps: float) -> list[di
 
 def table(rows: list[dict], copy: dict) -> str:
     head = (
-        f"{'world':>5} {'payload':>7} {'op':>8} {'iters':>5} {'median us':>10} {'p99 us':>9}"
+        f"{'world':>5} {'payload':>18} {'op':>8} {'iters':>5} {'median us':>10} {'p99 us':>9}"
         f" {'MB/call':>8} {'GB/s':>7} {'x copy':>7}"
     )
     lines = [head, "-" * len(head)]
@@ -312,7 +418,7 @@ def table(rows: list[dict], copy: dict) -> str:
             lines.append(f"{r['world']:>5} FAILED ({what}): {r['error']}")
             continue
         lines.append(
-            f"{r['world']:>5} {r['payload']:>7} {r['op']:>8} {r['iters']:>5}"
+            f"{r['world']:>5} {r['payload']:>18} {r['op']:>8} {r['iters']:>5}"
             f" {r['median_us']:>10.1f} {r['p99_us']:>9.1f} {r['bytes_all_ranks'] / 1e6:>8.2f}"
             f" {r['gbps']:>7.1f} {r['ratio_to_copy']:>7.3f}"
         )
@@ -356,6 +462,8 @@ def main(argv: list[str] | None = None) -> int:
             "tokens_per_rank": TOKENS,
             "dtype": "bf16",
             "layout": "rows (low latency)",
+            "prefill_tokens_per_rank": PREFILL_TOKENS,
+            "prefill": "normal mode, bf16: warp stores vs copy engine",
         },
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "copy_bandwidth": copy,

@@ -15,6 +15,10 @@ Case table (what each case reaches):
   fp8 / raw     the quantise-on-send path (quantize_fp8_group per group) and the
                 dequantise-on-receive or raw-bytes unpack
   staged/mixed  host-staged regions (shm + cudaHostRegister), and both kinds in one call
+  ce_*          normal mode through the copy engine: count_destinations + host read,
+                local pack, cudaMemcpyAsync per pair + publish_one; "all" sends every
+                non-empty pair by copy engine, "mixed" only pairs of >= 8 rows (both
+                kinds in one call); the ranks it used are checked against the counts
 """
 
 from __future__ import annotations
@@ -67,6 +71,7 @@ class Case:
     raw_fp8: bool = False
     transport: str = "auto"  # auto | staged | mixed
     placement: str = "contiguous"  # contiguous | redundant
+    copy_engine: str = "off"  # off | all | mixed (normal mode)
     seed: int = 0
 
 
@@ -84,7 +89,13 @@ CASES = [
     Case("staged_ll_em_2", 2, "ll_em", transport="staged", payload="fp8", seed=10),
     Case("mixed_ll_rows_4", 4, "ll_rows", transport="mixed", seed=11),
     Case("mixed_normal_4", 4, "normal", transport="mixed", experts=16, seed=12),
+    Case("ce_all_normal_bf16_2", 2, "normal", copy_engine="all", seed=13),
+    Case("ce_all_normal_fp8_4", 4, "normal", payload="fp8", copy_engine="all", seed=14),
+    Case("ce_mixed_normal_4", 4, "normal", copy_engine="mixed", experts=16, seed=15),
+    Case("ce_all_staged_mixed_4", 4, "normal", transport="mixed", copy_engine="all", seed=16),
 ]
+
+_CE_MIN_ROWS = 8  # copy_engine="mixed": pairs of at least this many rows use the copy engine
 
 
 # ---- inputs and references (deterministic per (case, rank); every rank rebuilds all) -----
@@ -175,8 +186,23 @@ def _make(case: Case, rank: int, timeout_s: float = 30.0):
     return CudaTransport(
         None, rank, case.world, case.hidden, case.max_tokens, case.num_topk,
         _PAYLOAD[case.payload], _DT[case.dtype][1], _placement(case), device=0,
-        timeout_s=timeout_s, pair_transport=_plan(case),
+        timeout_s=timeout_s, pair_transport=_plan(case), copy_engine_min_bytes=None,
     )  # fmt: skip
+
+
+def _ce_min_bytes(case: Case, slot_bytes: int) -> int | None:
+    return {"off": None, "all": 0, "mixed": _CE_MIN_ROWS * slot_bytes}[case.copy_engine]
+
+
+def _check_copy_engine(tx, case: Case, counts: list[int], slot_bytes: int) -> None:
+    """The ranks the last normal-mode send gave to the copy engine are exactly the pairs
+    at or over the threshold (so a silently disabled path fails here)."""
+    limit = _ce_min_bytes(case, slot_bytes)
+    if limit is None:
+        return
+    want = [r for r, n in enumerate(counts) if n > 0 and n * slot_bytes >= limit]
+    if max(counts) * slot_bytes >= limit and max(counts) > 0:
+        assert tx.last_copy_engine_ranks == want
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -217,9 +243,11 @@ def _run_normal(tx, case: Case, rank: int, step: int, seq: int):
     send_token = torch.empty(world * m, dtype=torch.int32, device=dev)
     send_count = torch.empty(world, dtype=torch.int32, device=dev)
     parity_d = (step + 1) & 1
+    tx.copy_engine_min_bytes = _ce_min_bytes(case, tx._tx().dispatch_slot_bytes)
     tx.dispatch_send(
         seq, 1, parity_d, x, x.shape[0], ids, w, ids.shape[1], None, send_token, send_count
     )
+    _check_copy_engine(tx, case, send_count.tolist(), tx._tx().dispatch_slot_bytes)
     counts = tx.wait(seq, 1, 30.0)
     counts_t = torch.tensor(counts, dtype=torch.int32, device=dev)
     row_base = torch.zeros(world, dtype=torch.int64, device=dev)
@@ -251,7 +279,9 @@ def _run_normal(tx, case: Case, rank: int, step: int, seq: int):
     if case.raw_fp8:
         xo = torch.stack([exp.x[i] for i in range(total)]).to(dev) if total else xo
     y = _rows_fn(xo, rank)
+    tx.copy_engine_min_bytes = _ce_min_bytes(case, tx._tx().combine_slot_bytes)
     tx.combine_send(seq + 1, 2, (step + 1) & 1, y, counts_t, row_base)
+    _check_copy_engine(tx, case, counts, tx._tx().combine_slot_bytes)
     out = torch.empty(x.shape[0], case.hidden, dtype=dtype, device=dev)
     tx.combine_recv(seq + 1, 2, (step + 1) & 1, 30.0, send_token, send_count, x.shape[0], out)
     ys = [_rows_fn(e.x, r) for r, e in enumerate(exp_all)]

@@ -161,6 +161,34 @@ PYBIND11_MODULE(_cuda_transport, m) {
           py::arg("row_base"), py::arg("expert_pos"), py::arg("row_experts"),
           py::arg("row_weights"), py::arg("stream"), py::call_guard<py::gil_scoped_release>())
       .def(
+          "dispatch_send_ce",
+          [](CudaTransport& t, uintptr_t ticket, uint32_t op, uintptr_t x, int32_t num_tokens,
+             uintptr_t topk_ids, uintptr_t topk_weights, int32_t topk, uintptr_t send_token,
+             uintptr_t send_count, uint64_t min_bytes, uintptr_t stream) {
+            t.dispatch_send_ce(ptr<CallTicket>(ticket), op, ptr<const void>(x), num_tokens,
+                               ptr<const int32_t>(topk_ids), ptr<const float>(topk_weights), topk,
+                               ptr<int32_t>(send_token), ptr<int32_t>(send_count), min_bytes,
+                               stream_of(stream));
+          },
+          py::arg("ticket"), py::arg("op"), py::arg("x"), py::arg("num_tokens"),
+          py::arg("topk_ids"), py::arg("topk_weights"), py::arg("topk"), py::arg("send_token"),
+          py::arg("send_count"), py::arg("min_bytes"), py::arg("stream"),
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "combine_send_ce",
+          [](CudaTransport& t, uintptr_t ticket, uint32_t op, uintptr_t y, uintptr_t recv_count,
+             uintptr_t row_base, const std::vector<int32_t>& counts,
+             const std::vector<int64_t>& row_base_host, uint64_t min_bytes, uintptr_t stream) {
+            py::gil_scoped_release release;
+            t.combine_send_ce(ptr<CallTicket>(ticket), op, ptr<const void>(y),
+                              ptr<const int32_t>(recv_count), ptr<const int64_t>(row_base), counts,
+                              row_base_host, min_bytes, stream_of(stream));
+          },
+          py::arg("ticket"), py::arg("op"), py::arg("y"), py::arg("recv_count"),
+          py::arg("row_base"), py::arg("counts"), py::arg("row_base_host"), py::arg("min_bytes"),
+          py::arg("stream"))
+      .def_property_readonly("last_ce_mask", &CudaTransport::last_ce_mask)
+      .def(
           "reduce_expert_major",
           [](CudaTransport& t, uintptr_t y, uintptr_t recv_count, uintptr_t expert_pos,
              uintptr_t row_experts, uintptr_t row_weights, uintptr_t rows_out, uintptr_t stream) {

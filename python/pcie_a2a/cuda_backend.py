@@ -99,6 +99,10 @@ class CudaTransport:
             ``rank + 1, rank + 2, ..., rank`` (ranks do not all start at rank 0).
         staging_numa: optional NUMA node of this rank's host staging memory (default:
             first-touch by this process).
+        copy_engine_min_bytes: normal-mode pairs moving at least this many bytes use the
+            copy engine (``cudaMemcpyAsync``), the rest warp stores; None disables it.
+            Default: PCIE_A2A_COPY_ENGINE_MIN_BYTES (256 KiB). Low-latency calls always
+            use warp stores (they must stay capturable and free of host synchronisation).
     """
 
     def __init__(
@@ -118,8 +122,19 @@ class CudaTransport:
         pair_transport: list[list[Any]] | None = None,
         send_order: list[list[int]] | None = None,
         staging_numa: int | None = None,
+        copy_engine_min_bytes: int | str | None = "env",
     ):
         mod = native()
+        if copy_engine_min_bytes == "env":
+            copy_engine_min_bytes = env.copy_engine_min_bytes()
+        elif copy_engine_min_bytes is not None and (
+            not isinstance(copy_engine_min_bytes, int) or copy_engine_min_bytes < 0
+        ):
+            raise ValueError(
+                f"copy_engine_min_bytes: got {copy_engine_min_bytes!r}, expected an int >= 0 "
+                "or None (warp stores only)"
+            )
+        self.copy_engine_min_bytes = copy_engine_min_bytes
         self._native = None
         self.group = group if group is not None else dist.group.WORLD
         self.rank, self.world = rank, world
@@ -402,10 +417,38 @@ class CudaTransport:
             raise ValueError("num_tokens/topk disagree with the tensors")
         self._tx().check()
         self._dispatch_ticket = self.new_ticket()
-        self._launch_dispatch(
-            self._dispatch_ticket, op, x, topk_ids, topk_weights, send_token, send_count
-        )
+        slot = self._tx().dispatch_slot_bytes
+        if op == _OP_DISPATCH and self._copy_engine_could_serve(num_tokens * slot):
+            self._tx().dispatch_send_ce(
+                _ptr(self._dispatch_ticket),
+                op,
+                _ptr(x),
+                num_tokens,
+                _ptr(topk_ids),
+                _ptr(topk_weights),
+                topk,
+                _ptr(send_token),
+                _ptr(send_count),
+                self.copy_engine_min_bytes,
+                self._stream(),
+            )
+            self._last_counts = ("send", send_count)
+        else:
+            self._launch_dispatch(
+                self._dispatch_ticket, op, x, topk_ids, topk_weights, send_token, send_count
+            )
         self._advance(seq, op, parity)
+
+    def _copy_engine_could_serve(self, largest_pair_bytes: int) -> bool:
+        """Whether some pair may reach the copy-engine threshold (else skip its host sync)."""
+        limit = self.copy_engine_min_bytes
+        return limit is not None and largest_pair_bytes > 0 and largest_pair_bytes >= limit
+
+    @property
+    def last_copy_engine_ranks(self) -> list[int]:
+        """Ranks the last normal-mode send moved with the copy engine."""
+        mask = self._tx().last_ce_mask
+        return [r for r in range(self.world) if (mask >> r) & 1]
 
     def wait(self, seq, op, timeout_s) -> list[int]:
         """Host-synchronising wait for the current dispatch call's flags (normal mode)."""
@@ -501,9 +544,25 @@ class CudaTransport:
         )
 
     def combine_send(self, seq, op, parity, y, counts, row_base) -> None:
-        self._tx().check()
+        tx = self._tx()
+        tx.check()
         self._combine_ticket = self.new_ticket()
-        self._launch_combine(self._combine_ticket, op, y, counts, row_base, None, None, None)
+        rows = y.shape[0] if y.dim() == 2 else 0
+        if op == _OP_COMBINE and self._copy_engine_could_serve(rows * tx.combine_slot_bytes):
+            tx.combine_send_ce(
+                _ptr(self._combine_ticket),
+                op,
+                _ptr(y),
+                _ptr(counts),
+                _ptr(row_base),
+                counts.tolist(),
+                row_base.tolist(),
+                self.copy_engine_min_bytes,
+                self._stream(),
+            )
+            self._last_counts = ("recv", counts)
+        else:
+            self._launch_combine(self._combine_ticket, op, y, counts, row_base, None, None, None)
         self._advance(seq, op, parity)
 
     def reduce_expert_major(

@@ -79,6 +79,31 @@ def p2p_level() -> str | None:
     return None if value is None else value.upper()
 
 
+# Pairs below this stay on warp stores; see csrc/cuda/transport/cuda_transport.cuh. A guess
+# until measured on a PCIe box (benchmarks/bench_cuda_one_gpu.py --copy-engine compares).
+COPY_ENGINE_MIN_BYTES_DEFAULT = 256 * 1024
+
+
+def copy_engine_min_bytes() -> int | None:
+    """PCIE_A2A_COPY_ENGINE_MIN_BYTES: normal-mode pairs moving at least this many bytes go
+    through the copy engine (cudaMemcpyAsync); ``off`` (or -1) keeps every pair on warp
+    stores. Default 256 KiB (not yet measured)."""
+    value = _get("PCIE_A2A_COPY_ENGINE_MIN_BYTES")
+    if value is None:
+        return COPY_ENGINE_MIN_BYTES_DEFAULT
+    if value.lower() in ("off", "none", "-1"):
+        return None
+    try:
+        parsed = int(value)
+    except ValueError:
+        parsed = -1
+    if parsed < 0:
+        raise ValueError(
+            f"PCIE_A2A_COPY_ENGINE_MIN_BYTES={value!r}: expected a byte count >= 0 or 'off'"
+        )
+    return parsed
+
+
 # ---- framework integrations (pcie_a2a.integrations) ---------------------------------------
 def get_int(name: str, default: int, minimum: int = 1) -> int:
     value = _get(name)

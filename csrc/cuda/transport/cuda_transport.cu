@@ -352,6 +352,20 @@ void CudaTransport::close() {
   (void)cudaFree(placement_dev_);
   (void)cudaFree(qbuf_);
   (void)cudaFree(cnt_ws_);
+  (void)cudaFree(pack_);
+  (void)cudaFree(ce_counts_dev_);
+  if (ce_host_ != nullptr) (void)cudaFreeHost(ce_host_);
+  for (auto& e : ce_join_)
+    if (e != nullptr) (void)cudaEventDestroy(e);
+  for (auto& st : ce_streams_)
+    if (st != nullptr) (void)cudaStreamDestroy(st);
+  if (ce_fork_ != nullptr) (void)cudaEventDestroy(ce_fork_);
+  ce_join_.clear();
+  ce_streams_.clear();
+  pack_ = nullptr;
+  ce_counts_dev_ = nullptr;
+  ce_host_ = nullptr;
+  ce_fork_ = nullptr;
   if (err_host_ != nullptr) (void)cudaFreeHost(err_host_);
   dev_seg_ = nullptr;
   state_ = nullptr;
@@ -430,6 +444,17 @@ void CudaTransport::dispatch_send(CallTicket* ticket, uint32_t op, const void* x
                                   int32_t num_tokens, const int32_t* topk_ids,
                                   const float* topk_weights, int32_t topk, int32_t* send_token,
                                   int32_t* send_count, cudaStream_t stream) {
+  check_dispatch_args(x, num_tokens, topk);
+  DeviceGuard guard(device_);
+  const KernelContext k = context();
+  ++host_seq_;
+  launch_begin_call(k, ticket, op, 0, false, stream);
+  launch_dispatch_send(k, ticket, x, num_tokens, topk_ids, topk_weights, topk, qbuf_, send_token,
+                       send_count, nullptr, 0, stream);
+  check_launch("dispatch_send");
+}
+
+void CudaTransport::check_dispatch_args(const void* x, int32_t num_tokens, int32_t topk) const {
   require_open("dispatch_send");
   PA2A_CHECK_ARG(opened_, "dispatch_send before open_peers");
   PA2A_CHECK_ARG(placement_.num_experts > 0, "dispatch_send before set_placement");
@@ -438,13 +463,155 @@ void CudaTransport::dispatch_send(CallTicket* ticket, uint32_t op, const void* x
   PA2A_CHECK_ARG(topk >= 0 && topk <= config_.num_topk, "topk must be in [0, ", config_.num_topk,
                  "], got ", topk);
   check_aligned(x, "x");
+}
+
+// ---- copy-engine path (normal mode) -------------------------------------------------------
+void CudaTransport::ensure_copy_engine(bool need_pack) {
+  const int32_t W = config_.world;
+  if (ce_host_ == nullptr) {
+    PA2A_CUDA_CHECK(
+        cudaHostAlloc(reinterpret_cast<void**>(&ce_host_), sizeof(CeHost), cudaHostAllocPortable));
+    PA2A_CUDA_CHECK(cudaMalloc(&ce_counts_dev_, sizeof(int32_t) * W));
+    PA2A_CUDA_CHECK(cudaEventCreateWithFlags(&ce_fork_, cudaEventDisableTiming));
+    ce_streams_.assign(W, nullptr);
+    ce_join_.assign(W, nullptr);
+    for (int32_t r = 0; r < W; ++r) {
+      PA2A_CUDA_CHECK(cudaStreamCreateWithFlags(&ce_streams_[r], cudaStreamNonBlocking));
+      PA2A_CUDA_CHECK(cudaEventCreateWithFlags(&ce_join_[r], cudaEventDisableTiming));
+    }
+  }
+  if (need_pack && pack_ == nullptr)
+    PA2A_CUDA_CHECK(
+        cudaMalloc(&pack_, static_cast<size_t>(W) * config_.max_tokens * layout_.dispatch_slot));
+}
+
+// Copies the call's ticket (and the per-destination counts) to the host and waits for
+// them. Refused inside a graph capture with a message instead of a capture error.
+void CudaTransport::read_back(const CallTicket* ticket, bool counts, cudaStream_t stream) {
+  PA2A_CUDA_CHECK(cudaMemcpyAsync(&ce_host_->ticket, ticket, sizeof(CallTicket),
+                                  cudaMemcpyDeviceToHost, stream));
+  if (counts)
+    PA2A_CUDA_CHECK(cudaMemcpyAsync(ce_host_->counts, ce_counts_dev_,
+                                    sizeof(int32_t) * config_.world, cudaMemcpyDeviceToHost,
+                                    stream));
+  PA2A_CUDA_CHECK(cudaStreamSynchronize(stream));
+}
+
+void CudaTransport::push_copies(const std::vector<CeCopy>& copies, uint64_t mask,
+                                const CallTicket& t, cudaStream_t stream) {
+  last_ce_mask_ = mask;
+  if (mask == 0) return;
+  const KernelContext k = context();
+  PA2A_CUDA_CHECK(cudaEventRecord(ce_fork_, stream));
+  for (int32_t i = 0; i < config_.world; ++i) {
+    const int32_t r = table_.order[i];
+    if (!((mask >> r) & 1ull)) continue;
+    const CeCopy& c = copies[r];
+    cudaStream_t s = ce_streams_[r];
+    PA2A_CUDA_CHECK(cudaStreamWaitEvent(s, ce_fork_, 0));
+    // cudaMemcpyDefault: the target is a peer's device memory (IPC) or pinned host memory
+    // mapped here; unified addressing tells the copy engine which.
+    PA2A_CUDA_CHECK(
+        cudaMemcpyAsync(table_.send_base[r] + c.dst_off, c.src, c.bytes, cudaMemcpyDefault, s));
+    launch_publish_one(k, t.seq, t.op, r, c.count, s);
+    check_launch("publish_one");
+    PA2A_CUDA_CHECK(cudaEventRecord(ce_join_[r], s));
+    PA2A_CUDA_CHECK(cudaStreamWaitEvent(stream, ce_join_[r], 0));
+  }
+}
+
+namespace {
+void refuse_capture(cudaStream_t stream, const char* what) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &status) == cudaSuccess &&
+      status != cudaStreamCaptureStatusNone)
+    PA2A_THROW(kValue, what,
+               " through the copy engine synchronises the host and cannot be captured in a "
+               "CUDA graph; capture low_latency_dispatch/low_latency_combine instead");
+}
+}  // namespace
+
+void CudaTransport::dispatch_send_ce(CallTicket* ticket, uint32_t op, const void* x,
+                                     int32_t num_tokens, const int32_t* topk_ids,
+                                     const float* topk_weights, int32_t topk, int32_t* send_token,
+                                     int32_t* send_count, uint64_t min_bytes, cudaStream_t stream) {
+  check_dispatch_args(x, num_tokens, topk);
   DeviceGuard guard(device_);
+  refuse_capture(stream, "dispatch");
+  ensure_copy_engine(true);
   const KernelContext k = context();
   ++host_seq_;
   launch_begin_call(k, ticket, op, 0, false, stream);
+  launch_count_destinations(k, topk_ids, num_tokens, topk, ce_counts_dev_, stream);
+  check_launch("count_destinations");
+  read_back(ticket, true, stream);
+  const CallTicket t = ce_host_->ticket;
+  const size_t slot = layout_.dispatch_slot;
+  const int32_t W = config_.world, M = config_.max_tokens;
+  std::vector<CeCopy> copies(W);
+  uint64_t mask = 0;
+  for (int32_t d = 0; d < W; ++d) {
+    const int32_t n = ce_host_->counts[d];
+    if (n <= 0 || static_cast<uint64_t>(n) * slot < min_bytes) continue;
+    mask |= 1ull << d;
+    copies[d].src = pack_ + static_cast<size_t>(d) * M * slot;
+    copies[d].dst_off =
+        layout_.dispatch_off + slot_offset(config_, static_cast<int>(t.parity), rank_, 0, slot);
+    copies[d].bytes = static_cast<size_t>(n) * slot;
+    copies[d].count = static_cast<uint32_t>(n);
+  }
   launch_dispatch_send(k, ticket, x, num_tokens, topk_ids, topk_weights, topk, qbuf_, send_token,
-                       send_count, stream);
+                       send_count, pack_, mask, stream);
   check_launch("dispatch_send");
+  push_copies(copies, mask, t, stream);
+}
+
+void CudaTransport::combine_send_ce(CallTicket* ticket, uint32_t op, const void* y,
+                                    const int32_t* recv_count, const int64_t* row_base,
+                                    const std::vector<int32_t>& counts,
+                                    const std::vector<int64_t>& row_base_host, uint64_t min_bytes,
+                                    cudaStream_t stream) {
+  require_open("combine_send");
+  PA2A_CHECK_ARG(opened_, "combine_send before open_peers");
+  const int32_t W = config_.world;
+  PA2A_CHECK_ARG(
+      static_cast<int32_t>(counts.size()) == W && static_cast<int32_t>(row_base_host.size()) == W,
+      "combine_send_ce: counts and row_base need world = ", W, " entries, got ", counts.size(),
+      " and ", row_base_host.size());
+  for (int32_t s = 0; s < W; ++s)
+    PA2A_CHECK_ARG(counts[s] >= 0 && counts[s] <= config_.max_tokens && row_base_host[s] >= 0,
+                   "combine_send_ce: counts[", s, "] = ", counts[s], " must be in [0, ",
+                   config_.max_tokens, "] and row_base[", s, "] = ", row_base_host[s],
+                   " non-negative");
+  check_aligned(y, "y");
+  const size_t slot = layout_.combine_slot;
+  // A combine slot is exactly one row of y (hidden % 8 == 0), so rows copy as one block.
+  PA2A_CHECK_ARG(slot == 2 * static_cast<size_t>(config_.hidden),
+                 "combine slots must be one 16-bit row");
+  DeviceGuard guard(device_);
+  refuse_capture(stream, "combine");
+  ensure_copy_engine(false);
+  const KernelContext k = context();
+  ++host_seq_;
+  launch_begin_call(k, ticket, op, 1, false, stream);
+  check_launch("begin_call");
+  read_back(ticket, false, stream);
+  const CallTicket t = ce_host_->ticket;
+  std::vector<CeCopy> copies(W);
+  uint64_t mask = 0;
+  for (int32_t s = 0; s < W; ++s) {
+    const int32_t n = counts[s];
+    if (n <= 0 || static_cast<uint64_t>(n) * slot < min_bytes) continue;
+    mask |= 1ull << s;
+    copies[s].src = static_cast<const uint8_t*>(y) + static_cast<size_t>(row_base_host[s]) * slot;
+    copies[s].dst_off =
+        layout_.combine_off + slot_offset(config_, static_cast<int>(t.parity), rank_, 0, slot);
+    copies[s].bytes = static_cast<size_t>(n) * slot;
+    copies[s].count = static_cast<uint32_t>(n);
+  }
+  launch_combine_send(k, ticket, y, recv_count, row_base, nullptr, nullptr, nullptr, mask, stream);
+  check_launch("combine_send");
+  push_copies(copies, mask, t, stream);
 }
 
 void CudaTransport::abort(CallTicket* ticket, uint32_t op, int family, cudaStream_t stream) {
@@ -512,7 +679,7 @@ void CudaTransport::combine_send(CallTicket* ticket, uint32_t op, const void* y,
   const KernelContext k = context();
   ++host_seq_;
   launch_begin_call(k, ticket, op, 1, false, stream);
-  launch_combine_send(k, ticket, y, recv_count, row_base, expert_pos, row_experts, row_weights,
+  launch_combine_send(k, ticket, y, recv_count, row_base, expert_pos, row_experts, row_weights, 0,
                       stream);
   check_launch("combine_send");
 }

@@ -15,10 +15,19 @@
 //      unregisters and unmaps host segments, frees everything. Peers must have stopped
 //      writing into this rank's memory first (Python barriers before close).
 //
-// Normal (prefill) mode: this version reuses the warp-store kernels with a host read of
-// the counts (wait_counts + stream synchronise) between the flags and the compacted
-// unpack. The copy-engine path of the design (pack per destination, cudaMemcpyAsync in
-// planner order, a stream-ordered flag write after each) is NOT implemented yet.
+// Normal (prefill) mode has two send paths. dispatch_send/combine_send store rows with
+// warps straight into the receivers' segments (as low-latency mode does). The *_ce
+// variants first learn the rows per destination on the host (one stream synchronise:
+// normal mode synchronises anyway, for the counts the receiver needs), then move every
+// pair with at least `min_bytes` of rows by cudaMemcpyAsync: the rows of such a pair are
+// packed locally in the exact slot bytes (HBM speed; combine rows are already contiguous),
+// copied with one transfer on a stream of that destination (destinations issued in the
+// planner's order, so copies to different ranks overlap on the copy engines), and followed
+// on that stream by a one-thread kernel that release-stores the pair's flag. Smaller pairs
+// keep the warp stores. Why both: a copy engine moves a large contiguous block at link
+// speed without occupying SMs (prefill overlaps communication with expert GEMMs), but
+// costs several microseconds per transfer; warps win for small pairs. The receive side
+// is the same for both (flags and slots are identical bytes).
 //
 // Errors: CUDA API failures throw pa2a::Error(kRuntime) naming the call; kernel-detected
 // problems land in the host-mapped error word and check() throws them (kTimeout, kAborted,
@@ -87,6 +96,21 @@ class CudaTransport {
   void combine_send(CallTicket* ticket, uint32_t op, const void* y, const int32_t* recv_count,
                     const int64_t* row_base, const int32_t* expert_pos, const int32_t* row_experts,
                     const float* row_weights, cudaStream_t stream);
+
+  // Normal mode through the copy engine for pairs of >= min_bytes (see the top comment).
+  // Both synchronise `stream` once (never inside a CUDA graph capture: refused). The
+  // combine takes the rows per source on the host too (counts, row_base_host), equal to
+  // the device arrays the rows layout uses.
+  void dispatch_send_ce(CallTicket* ticket, uint32_t op, const void* x, int32_t num_tokens,
+                        const int32_t* topk_ids, const float* topk_weights, int32_t topk,
+                        int32_t* send_token, int32_t* send_count, uint64_t min_bytes,
+                        cudaStream_t stream);
+  void combine_send_ce(CallTicket* ticket, uint32_t op, const void* y, const int32_t* recv_count,
+                       const int64_t* row_base, const std::vector<int32_t>& counts,
+                       const std::vector<int64_t>& row_base_host, uint64_t min_bytes,
+                       cudaStream_t stream);
+  // Ranks (bit r) the last *_ce call served with the copy engine (tests, stats).
+  uint64_t last_ce_mask() const { return last_ce_mask_; }
   void reduce_expert_major(const void* y, const int32_t* recv_count, const int32_t* expert_pos,
                            const int32_t* row_experts, const float* row_weights, void* rows_out,
                            cudaStream_t stream);
@@ -103,9 +127,26 @@ class CudaTransport {
   uint32_t host_seq() const { return host_seq_; }
 
  private:
+  // One copy-engine transfer of the current call: src -> send_base[r] + dst_off.
+  struct CeCopy {
+    const void* src = nullptr;
+    size_t dst_off = 0;
+    size_t bytes = 0;
+    uint32_t count = 0;
+  };
+  struct CeHost {  // pinned: what the host reads back before sizing the copies
+    CallTicket ticket;
+    int32_t counts[kMaxWorld];
+  };
+
   KernelContext context() const;
   void require_open(const char* what) const;
   void* map_host_segment(int32_t r, bool create);
+  void check_dispatch_args(const void* x, int32_t num_tokens, int32_t topk) const;
+  void ensure_copy_engine(bool need_pack);
+  void read_back(const CallTicket* ticket, bool counts, cudaStream_t stream);
+  void push_copies(const std::vector<CeCopy>& copies, uint64_t mask, const CallTicket& t,
+                   cudaStream_t stream);
 
   std::string prefix_;
   int32_t rank_;
@@ -135,6 +176,15 @@ class CudaTransport {
   Placement placement_{};
   uint8_t* qbuf_ = nullptr;    // fp8 staging of the tokens being sent
   int32_t* cnt_ws_ = nullptr;  // expert-major [E_local, world] counts
+
+  // Copy-engine path, allocated on first use.
+  uint8_t* pack_ = nullptr;               // [world * max_tokens] dispatch slots
+  int32_t* ce_counts_dev_ = nullptr;      // [world] rows per destination
+  CeHost* ce_host_ = nullptr;             // pinned
+  std::vector<cudaStream_t> ce_streams_;  // one per destination rank
+  std::vector<cudaEvent_t> ce_join_;      // recorded after each destination's flag
+  cudaEvent_t ce_fork_ = nullptr;         // recorded on the caller's stream before the copies
+  uint64_t last_ce_mask_ = 0;
 };
 
 }  // namespace pa2a::cuda

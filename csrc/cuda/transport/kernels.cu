@@ -106,8 +106,10 @@ __device__ __forceinline__ uint4 pack8(const float* f) {
 // Block-arrival publish: every block's rows are ordered (system-scope fence) before its
 // arrival; the last block to arrive acquires them all and release-stores the flags in
 // the planner's order. counts[d] is read with ld.cg: it was written by another block.
+// Destinations outside `mask` are skipped: the copy-engine path publishes their flags
+// itself, after its copy (see publish_one_kernel).
 __device__ void publish_flags(const KernelContext& k, const CallTicket& t, uint32_t* arrive,
-                              const int32_t* counts, bool abort) {
+                              const int32_t* counts, bool abort, uint64_t mask) {
   __shared__ bool last;
   fence_acq_rel_sys();  // this thread's rows before the block's arrival
   __syncthreads();
@@ -125,6 +127,7 @@ __device__ void publish_flags(const KernelContext& k, const CallTicket& t, uint3
   const int M = k.cfg.max_tokens;
   for (int i = threadIdx.x; i < W; i += blockDim.x) {
     const int d = k.peers->order[i];
+    if (!((mask >> d) & 1ull)) continue;
     uint32_t n = kAbortCount;
     if (!abort) {
       const int32_t c = __ldcg(counts + d);
@@ -173,7 +176,7 @@ __global__ void __launch_bounds__(kThreads)
     dispatch_send_kernel(KernelContext k, const CallTicket* ticket, const uint16_t* x,
                          int32_t num_tokens, const int32_t* topk_ids, const float* topk_weights,
                          int32_t topk, int32_t tok_per_block, uint8_t* qbuf, int32_t* send_token,
-                         int32_t* send_count) {
+                         int32_t* send_count, uint8_t* pack, uint64_t pack_mask) {
   __shared__ uint64_t mask[kMaxTokPerBlock];
   __shared__ int32_t base[kMaxWorld];
   __shared__ uint32_t rows[kMaxTokPerBlock * kMaxWorld];
@@ -264,7 +267,12 @@ __global__ void __launch_bounds__(kThreads)
       n += __popc(bal);
     }
     __syncwarp();
-    uint8_t* slot = dispatch_slot(k, k.peers->send_base[d], static_cast<int>(t.parity), k.rank, j);
+    // Destinations in pack_mask go to the copy engine: their rows are packed locally,
+    // slot j of d at pack[d * M + j], the exact bytes the slot will hold.
+    uint8_t* slot =
+        ((pack_mask >> d) & 1ull)
+            ? pack + (static_cast<size_t>(d) * M + j) * k.seg.dispatch_slot
+            : dispatch_slot(k, k.peers->send_base[d], static_cast<int>(t.parity), k.rank, j);
     if (lane == 0) *reinterpret_cast<int4*>(slot) = make_int4(tok, n, k.rank, 0);
     for (int q = lane; q < kvec; q += 32) {
       reinterpret_cast<int4*>(slot + k.slot.experts_off)[q] =
@@ -280,7 +288,7 @@ __global__ void __launch_bounds__(kThreads)
     __syncwarp();  // wid/wwt are reused by this warp's next row
   }
   (void)K;
-  publish_flags(k, t, &k.state->arrive[0], send_count, false);
+  publish_flags(k, t, &k.state->arrive[0], send_count, false, ~pack_mask);
 }
 
 // ---- dispatch receive ------------------------------------------------------------------
@@ -575,13 +583,14 @@ __global__ void __launch_bounds__(kThreads)
     combine_send_kernel(KernelContext k, const CallTicket* ticket, const uint8_t* y,
                         const int32_t* recv_count, const int64_t* row_base,
                         const int32_t* expert_pos, const int32_t* row_experts,
-                        const float* row_weights) {
+                        const float* row_weights, uint64_t ce_mask) {
   const WireConfig& c = k.cfg;
   const int M = c.max_tokens, H = c.hidden;
   const int s = blockIdx.x;
   const CallTicket t = *ticket;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int n = min(max(recv_count[s], 0), M);
+  // Sources in ce_mask get their rows from the copy engine (rows layout only).
+  const int n = ((ce_mask >> s) & 1ull) ? 0 : min(max(recv_count[s], 0), M);
   const int j1 = min((static_cast<int>(blockIdx.y) + 1) * kRowsPerBlock, n);
   for (int j = blockIdx.y * kRowsPerBlock + warp; j < j1; j += kWarps) {
     uint4* dst = reinterpret_cast<uint4*>(
@@ -596,7 +605,7 @@ __global__ void __launch_bounds__(kThreads)
       for (int v = lane; v < H / 8; v += 32) dst[v] = src[v];
     }
   }
-  publish_flags(k, t, &k.state->arrive[1], recv_count, false);
+  publish_flags(k, t, &k.state->arrive[1], recv_count, false, ~ce_mask);
 }
 
 template <DType kDT>
@@ -668,6 +677,40 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// ---- copy-engine path (normal mode) ------------------------------------------------------
+// Rows per destination rank, before any row moves: the host reads them to size the
+// copy-engine transfers. Shared-memory histogram per block, then local atomics.
+__global__ void __launch_bounds__(kThreads)
+    count_destinations_kernel(KernelContext k, const int32_t* topk_ids, int32_t num_tokens,
+                              int32_t topk, int32_t* counts) {
+  __shared__ int32_t hist[kMaxWorld];
+  const int W = k.cfg.world;
+  for (int d = threadIdx.x; d < W; d += blockDim.x) hist[d] = 0;
+  __syncthreads();
+  const int tok = blockIdx.x * blockDim.x + threadIdx.x;
+  if (tok < num_tokens) {
+    uint64_t m = token_dest_mask(k, topk_ids, topk, tok);
+    while (m) {
+      atomicAdd(&hist[__ffsll(static_cast<long long>(m)) - 1], 1);
+      m &= m - 1;
+    }
+  }
+  __syncthreads();
+  for (int d = threadIdx.x; d < W; d += blockDim.x)
+    if (hist[d] != 0) atomicAdd(counts + d, hist[d]);
+}
+
+// The flag of one copy-engine transfer, enqueued on the copy's stream right after it.
+// Stream order puts the copy's completion before this kernel; the system-scope fence
+// then orders it before the release store, as publish_flags does for SM-stored rows.
+__global__ void publish_one_kernel(KernelContext k, uint32_t seq, uint32_t op, int32_t dest,
+                                   uint32_t count) {
+  fence_acq_rel_sys();
+  FlagLine* f = flag_line_at(k.peers->send_base[dest], static_cast<int>(seq & 1u), k.rank, k.cfg);
+  st_relaxed_sys(&f->sig, op);
+  st_release_sys(&f->word, pack_flag(seq, count));
+}
+
 unsigned cdiv(int64_t a, int64_t b) {
   return static_cast<unsigned>((a + b - 1) / b);
 }
@@ -683,15 +726,16 @@ void launch_begin_call(const KernelContext& k, CallTicket* ticket, uint32_t op, 
 void launch_dispatch_send(const KernelContext& k, const CallTicket* ticket, const void* x,
                           int32_t num_tokens, const int32_t* topk_ids, const float* topk_weights,
                           int32_t topk, uint8_t* qbuf, int32_t* send_token, int32_t* send_count,
-                          cudaStream_t stream) {
+                          uint8_t* pack, uint64_t pack_mask, cudaStream_t stream) {
   // Few tokens per block for decode (more SMs pushing), more for prefill (the per-block
   // count of earlier tokens is redundant work that grows with the number of blocks).
   int tpb = static_cast<int>(cdiv(num_tokens, 256));
   tpb = tpb < 4 ? 4 : (tpb > kMaxTokPerBlock ? kMaxTokPerBlock : tpb);
   const unsigned grid = num_tokens > 0 ? cdiv(num_tokens, tpb) : 1;
-  PA2A_SWITCH_WIRE(k.cfg, dispatch_send_kernel<kDT, kFp8><<<grid, kThreads, 0, stream>>>(
-                              k, ticket, static_cast<const uint16_t*>(x), num_tokens, topk_ids,
-                              topk_weights, topk, tpb, qbuf, send_token, send_count));
+  PA2A_SWITCH_WIRE(k.cfg, dispatch_send_kernel<kDT, kFp8>
+                   <<<grid, kThreads, 0, stream>>>(k, ticket, static_cast<const uint16_t*>(x),
+                                                   num_tokens, topk_ids, topk_weights, topk, tpb,
+                                                   qbuf, send_token, send_count, pack, pack_mask));
 }
 
 void launch_wait_counts(const KernelContext& k, const CallTicket* ticket, int32_t* counts,
@@ -732,18 +776,31 @@ void launch_unpack_expert_major(const KernelContext& k, const CallTicket* ticket
 void launch_combine_send(const KernelContext& k, const CallTicket* ticket, const void* y,
                          const int32_t* recv_count, const int64_t* row_base,
                          const int32_t* expert_pos, const int32_t* row_experts,
-                         const float* row_weights, cudaStream_t stream) {
+                         const float* row_weights, uint64_t ce_mask, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(k.cfg.world), cdiv(k.cfg.max_tokens, kRowsPerBlock));
   const auto* yb = static_cast<const uint8_t*>(y);
   PA2A_SWITCH_WIRE(k.cfg, {
     (void)kFp8;
     if (expert_pos != nullptr)
       combine_send_kernel<kDT, true><<<grid, kThreads, 0, stream>>>(
-          k, ticket, yb, recv_count, row_base, expert_pos, row_experts, row_weights);
+          k, ticket, yb, recv_count, row_base, expert_pos, row_experts, row_weights, ce_mask);
     else
       combine_send_kernel<kDT, false><<<grid, kThreads, 0, stream>>>(
-          k, ticket, yb, recv_count, row_base, expert_pos, row_experts, row_weights);
+          k, ticket, yb, recv_count, row_base, expert_pos, row_experts, row_weights, ce_mask);
   });
+}
+
+void launch_count_destinations(const KernelContext& k, const int32_t* topk_ids, int32_t num_tokens,
+                               int32_t topk, int32_t* counts, cudaStream_t stream) {
+  cudaMemsetAsync(counts, 0, sizeof(int32_t) * static_cast<size_t>(k.cfg.world), stream);
+  if (num_tokens == 0) return;
+  count_destinations_kernel<<<cdiv(num_tokens, kThreads), kThreads, 0, stream>>>(
+      k, topk_ids, num_tokens, topk, counts);
+}
+
+void launch_publish_one(const KernelContext& k, uint32_t seq, uint32_t op, int32_t dest,
+                        uint32_t count, cudaStream_t stream) {
+  publish_one_kernel<<<1, 1, 0, stream>>>(k, seq, op, dest, count);
 }
 
 void launch_reduce_rows(const KernelContext& k, const void* y, const int32_t* recv_count,

@@ -19,6 +19,9 @@
 //   combine_send      one warp per returned row: copy it (rows layout) or pre-reduce the
 //                     weighted expert outputs in fp32 (expert-major), push to the source.
 //   reduce_rows       the expert-major pre-reduction alone (into local rows).
+//   count_destinations / publish_one
+//                     normal mode's copy-engine path: rows per destination before the
+//                     send (the host sizes the copies), and one flag after each copy.
 //   combine_recv      one warp per token: acquire every flag, sum partials in fp32 in
 //                     ascending rank order (the CPU order), write the dtype of x.
 #pragma once
@@ -50,11 +53,20 @@ void launch_begin_call(const KernelContext& k, CallTicket* ticket, uint32_t op, 
                        bool abort, cudaStream_t stream);
 
 // x [T, H] 16-bit, topk_ids/weights [T, topk]; qbuf: per-token fp8 staging (fp8 payload);
-// send_token [world * max_tokens], send_count [world] (outputs).
+// send_token [world * max_tokens], send_count [world] (outputs). Destinations in pack_mask
+// (bit d) are written to pack [world * max_tokens slots] instead and get no flag: the
+// copy-engine path moves them (pack may be null when pack_mask is 0).
 void launch_dispatch_send(const KernelContext& k, const CallTicket* ticket, const void* x,
                           int32_t num_tokens, const int32_t* topk_ids, const float* topk_weights,
                           int32_t topk, uint8_t* qbuf, int32_t* send_token, int32_t* send_count,
-                          cudaStream_t stream);
+                          uint8_t* pack, uint64_t pack_mask, cudaStream_t stream);
+
+// Copy-engine path: rows per destination rank (counts [world], zeroed first), and the flag
+// of one destination after its copy (host-known call number and count).
+void launch_count_destinations(const KernelContext& k, const int32_t* topk_ids, int32_t num_tokens,
+                               int32_t topk, int32_t* counts, cudaStream_t stream);
+void launch_publish_one(const KernelContext& k, uint32_t seq, uint32_t op, int32_t dest,
+                        uint32_t count, cudaStream_t stream);
 
 void launch_wait_counts(const KernelContext& k, const CallTicket* ticket, int32_t* counts,
                         uint64_t timeout_ns, cudaStream_t stream);
@@ -78,10 +90,11 @@ void launch_unpack_expert_major(const KernelContext& k, const CallTicket* ticket
 
 // Rows layout: y [*, H], row (s, j) = y[row_base[s] + j] (row_base null: s * max_tokens).
 // Expert-major (expert_pos != null): y [E_local, world * max_tokens, H] unweighted.
+// Sources in ce_mask are skipped (rows and flag): the copy-engine path serves them.
 void launch_combine_send(const KernelContext& k, const CallTicket* ticket, const void* y,
                          const int32_t* recv_count, const int64_t* row_base,
                          const int32_t* expert_pos, const int32_t* row_experts,
-                         const float* row_weights, cudaStream_t stream);
+                         const float* row_weights, uint64_t ce_mask, cudaStream_t stream);
 
 void launch_reduce_rows(const KernelContext& k, const void* y, const int32_t* recv_count,
                         const int32_t* expert_pos, const int32_t* row_experts,

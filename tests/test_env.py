@@ -1,0 +1,36 @@
+"""Environment knobs (python/pcie_a2a/env.py): defaults, parsing and the errors for bad values."""
+
+from __future__ import annotations
+
+import pytest
+
+from pcie_a2a import env
+
+COPY_ENGINE_CASES = [
+    (None, env.COPY_ENGINE_MIN_BYTES_DEFAULT),
+    ("", env.COPY_ENGINE_MIN_BYTES_DEFAULT),
+    ("0", 0),
+    ("1048576", 1 << 20),
+    (" 4096 ", 4096),
+    ("off", None),
+    ("OFF", None),
+    ("-1", None),
+]
+
+
+@pytest.mark.parametrize(("value", "want"), COPY_ENGINE_CASES)
+def test_copy_engine_min_bytes(monkeypatch, value, want):
+    if value is None:
+        monkeypatch.delenv("PCIE_A2A_COPY_ENGINE_MIN_BYTES", raising=False)
+    else:
+        monkeypatch.setenv("PCIE_A2A_COPY_ENGINE_MIN_BYTES", value)
+    assert env.copy_engine_min_bytes() == want
+
+
+@pytest.mark.parametrize("value", ["1.5", "-2", "lots", "1e6"])
+def test_copy_engine_min_bytes_rejects_bad_values(monkeypatch, value):
+    monkeypatch.setenv("PCIE_A2A_COPY_ENGINE_MIN_BYTES", value)
+    with pytest.raises(
+        ValueError, match=r"PCIE_A2A_COPY_ENGINE_MIN_BYTES=.*byte count >= 0 or 'off'"
+    ):
+        env.copy_engine_min_bytes()
