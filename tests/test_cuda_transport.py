@@ -72,6 +72,7 @@ class Case:
     transport: str = "auto"  # auto | staged | mixed
     placement: str = "contiguous"  # contiguous | redundant
     copy_engine: str = "off"  # off | all | mixed (normal mode)
+    spread: bool = False  # rank r on GPU r % device_count (multi-GPU cases)
     seed: int = 0
 
 
@@ -182,10 +183,11 @@ def _make(case: Case, rank: int, timeout_s: float = 30.0):
 
     if case.transport == "staged":
         os.environ["PCIE_A2A_P2P"] = "0"
-    torch.cuda.set_device(0)
+    device = rank % torch.cuda.device_count() if case.spread else 0
+    torch.cuda.set_device(device)
     return CudaTransport(
         None, rank, case.world, case.hidden, case.max_tokens, case.num_topk,
-        _PAYLOAD[case.payload], _DT[case.dtype][1], _placement(case), device=0,
+        _PAYLOAD[case.payload], _DT[case.dtype][1], _placement(case), device=device,
         timeout_s=timeout_s, pair_transport=_plan(case), copy_engine_min_bytes=None,
     )  # fmt: skip
 
@@ -234,7 +236,7 @@ def _assert_rows(got_x, exp, case: Case, got_fp8=None, got_scales=None):
 
 # ---- one rank's work per mode ------------------------------------------------------------
 def _run_normal(tx, case: Case, rank: int, step: int, seq: int):
-    dev = torch.device("cuda", 0)
+    dev = tx.device
     dtype = _DT[case.dtype][0]
     x, ids, w = (t.to(dev) for t in _inputs(case, rank, step))
     exp_all = _expected(case, step)
@@ -290,7 +292,7 @@ def _run_normal(tx, case: Case, rank: int, step: int, seq: int):
 
 
 def _ll_buffers(tx, case: Case):
-    dev = torch.device("cuda", 0)
+    dev = tx.device
     m, world, k = case.max_tokens, case.world, case.num_topk
     dtype = _DT[case.dtype][0]
     return dict(
@@ -342,7 +344,7 @@ def _check_ll_rows(case: Case, rank: int, step: int, b, num_tokens: int):
 
 
 def _run_ll_rows(tx, case: Case, rank: int, step: int):
-    dev = torch.device("cuda", 0)
+    dev = tx.device
     x, ids, w = (t.to(dev) for t in _inputs(case, rank, step))
     b = _ll_buffers(tx, case)
     _ll_rows_calls(tx, b, x, ids, w, rank)
@@ -352,7 +354,7 @@ def _run_ll_rows(tx, case: Case, rank: int, step: int):
 
 
 def _run_ll_em(tx, case: Case, rank: int, step: int):
-    dev = torch.device("cuda", 0)
+    dev = tx.device
     dtype = _DT[case.dtype][0]
     x, ids, w = (t.to(dev) for t in _inputs(case, rank, step))
     m, world, k, e_local = case.max_tokens, case.world, case.num_topk, tx.num_local_experts
@@ -428,6 +430,28 @@ def _rank_case(rank: int, world: int, case: Case) -> str:
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_correctness_table(case: Case):
+    for o in run_ranks(case.world, _rank_case, case, timeout=240):
+        o.unwrap()
+
+
+# Several GPUs: rank r on GPU r % n, pairs P2P where CUDA reports peer access, else staged
+# (the default plan); with 4 ranks on 2 GPUs one call mixes same-device IPC and cross-device.
+MULTI_GPU_CASES = [
+    Case("multi_normal_bf16_2", 2, "normal", spread=True, seed=20),
+    Case("multi_ll_rows_fp8_4", 4, "ll_rows", payload="fp8", spread=True, seed=21),
+    Case("multi_ll_em_bf16_4", 4, "ll_em", experts=16, spread=True, seed=22),
+    Case("multi_ce_normal_4", 4, "normal", copy_engine="all", spread=True, seed=23),
+    Case("multi_staged_normal_2", 2, "normal", transport="staged", spread=True, seed=24),
+]
+
+
+def _gpu_count() -> int:
+    return torch.cuda.device_count() if not _REASON else 0
+
+
+@pytest.mark.skipif(_gpu_count() < 2, reason="needs at least 2 GPUs")
+@pytest.mark.parametrize("case", MULTI_GPU_CASES, ids=[c.name for c in MULTI_GPU_CASES])
+def test_multi_gpu_table(case: Case):
     for o in run_ranks(case.world, _rank_case, case, timeout=240):
         o.unwrap()
 
