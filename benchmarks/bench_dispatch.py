@@ -10,6 +10,11 @@ The sweep in docs/benchmarks.md::
 
     PYTHONPATH=python python benchmarks/bench_dispatch.py --tokens 1,16,128,512,4096
 
+On GPUs, Buffer(backend="cuda") against NCCL baselines (one rank per GPU; see
+docs/benchmarks.md for what runs when ranks share a GPU)::
+
+    PYTHONPATH=python python benchmarks/bench_dispatch.py --backend cuda --world 8
+
 Under torchrun (one rank per process; --world is ignored)::
 
     PYTHONPATH=python torchrun --nproc-per-node 4 benchmarks/bench_dispatch.py

@@ -81,20 +81,34 @@ else
   row "bench cuda one GPU (1-8 ranks)" skipped "0s" "build or a GPU test failed"
 fi
 
-# ---- short benchmark (pcie-a2a bench vs NCCL all_to_all_single) ----------------------------
-# NCCL cannot put two ranks on one GPU, so on a one-GPU machine only our path runs.
+# ---- short benchmark (pcie-a2a bench --backend cuda vs NCCL baselines) -------------------
+# One rank per GPU (2..8 ranks) gives the NCCL all_to_all_single and all-gather +
+# reduce-scatter baselines. NCCL cannot put two ranks on one GPU, so on a one-GPU machine
+# 2 ranks share GPU 0, only our path runs and the baselines print "n/a: NCCL needs one GPU
+# per rank". Kimi K2 decode shapes, 128 tokens per rank, bf16 and fp8, at most 20 timed
+# iterations and 10 s per config; --timeout 100 makes the command report the configs that
+# finished before this script's 120 s limit. Its table is printed above the summary, and
+# the summary row shows the last dispatch+combine line; the JSON is $log_dir/bench.json.
 t=$(now)
+bench_log="$log_dir/bench.log"
+rm -f "$bench_log" "$log_dir/bench.json"  # no stale table from an earlier run
 ngpu=$(python -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
 if python -c 'import pcie_a2a.bench.cli' > /dev/null 2>&1; then
   if timeout 120 python -m pcie_a2a bench --help > "$log_dir/bench_help.txt" 2>&1 \
       && grep -q -- "--backend" "$log_dir/bench_help.txt"; then
     world=$(( ngpu >= 2 ? (ngpu > 8 ? 8 : ngpu) : 2 ))
-    if timeout 120 python -m pcie_a2a bench --backend cuda --world "$world" \
-        > "$log_dir/bench.log" 2>&1; then
-      row "bench (world=$world, gpus=$ngpu)" ok "$(( $(now) - t ))s" "$(tail -1 "$log_dir/bench.log")"
-    else
-      row "bench (world=$world, gpus=$ngpu)" FAIL "$(( $(now) - t ))s" "see $log_dir/bench.log"
-    fi
+    name="bench cuda (world=$world, gpus=$ngpu)"
+    timeout 120 python -m pcie_a2a bench --backend cuda --world "$world" --tokens 128 \
+      --iters 20 --warmup 3 --max-seconds 10 --timeout 100 \
+      --json "$log_dir/bench.json" --plot none > "$bench_log" 2>&1
+    rc=$?
+    detail=$(grep -E "dispatch\+combine p50" "$bench_log" | tail -1)
+    case $rc in
+      0) row "$name" ok "$(( $(now) - t ))s" "$detail" ;;
+      2) row "$name" skipped "$(( $(now) - t ))s" "$(tail -1 "$bench_log")" ;;
+      124) row "$name" FAIL "$(( $(now) - t ))s" "TIMEOUT after 120s ($bench_log)" ;;
+      *) row "$name" FAIL "$(( $(now) - t ))s" "rc=$rc ${detail:+(last: $detail) }($bench_log)" ;;
+    esac
   else
     row "bench" skipped "0s" "pcie-a2a bench has no --backend option yet"
   fi
@@ -103,10 +117,15 @@ else
 fi
 
 # ---- summary (last) ----------------------------------------------------------------------
-if [[ -s "$one_gpu_log" ]] && grep -q "^world payload" "$one_gpu_log"; then
+if [[ -s "$bench_log" ]] && grep -q "^machine: " "$bench_log"; then
+  echo
+  echo "pcie-a2a bench --backend cuda (from $bench_log):"
+  sed -n '/^machine: /,$p' "$bench_log" | grep -v "^JSON: "
+fi
+if [[ -s "$one_gpu_log" ]] && grep -qE "^world +payload" "$one_gpu_log"; then
   echo
   echo "bench_cuda_one_gpu (from $one_gpu_log):"
-  sed -n '/^world payload/,$p' "$one_gpu_log"
+  sed -n '/^world  *payload/,$p' "$one_gpu_log"
 fi
 echo
 echo "pcie_a2a GPU check on: $(cat "$log_dir/gpu.txt")"

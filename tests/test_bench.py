@@ -4,6 +4,7 @@ shapes and writes sane JSON. No timing assertions (performance lives in benchmar
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 import pcie_a2a
+from pcie_a2a.bench.device import cuda_unusable
 from pcie_a2a.bench.routing import RoutingSpec, make_routing, ranks_per_token
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,3 +101,36 @@ def test_kimi_routing_limits_groups():
     assert all(len(set(row)) <= 2 for row in groups.tolist())
     # groups are contiguous expert blocks, so on 4 ranks a token touches at most 2 ranks
     assert ranks_per_token(ids, 64, 4) <= 2.0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(bool(cuda_unusable()), reason=cuda_unusable() or "n/a")
+def test_cuda_backend_world_2(tmp_path):
+    """``--backend cuda --world 2``: NCCL baselines with 2+ GPUs, pcie_a2a only on one GPU."""
+    js = tmp_path / "bench.json"
+    args = ["--backend", "cuda", "--quick", "--world", "2", "--tokens", "32",
+            "--json", str(js), "--plot", "none", "--timeout", "90"]  # fmt: skip
+    proc = _bench(*args, timeout=110)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads(js.read_text())
+    mach = doc["machine"]
+    assert mach["backend"] == "cuda" and mach["gpu_count"] == torch.cuda.device_count()
+    assert mach["gpus"] and "gpus: " in proc.stdout
+    shared = mach["gpu_count"] < 2
+    assert mach["process_group"] == ("gloo" if shared else "nccl")
+    assert {r["payload"] for r in doc["results"]} == {"bf16", "fp8"}
+    for res in doc["results"]:
+        methods = res["methods"]
+        ours = methods["pcie_a2a"]
+        assert ours["max_rel_err"] <= (0.15 if res["payload"] == "fp8" else 0.02)
+        for s in ours["phases"].values():
+            assert math.isfinite(s["p50_us"]) and 0 < s["p50_us"] <= s["p99_us"]
+            assert s["wire_bytes"] > 0
+        for base in ("a2a", "ag_rs"):
+            if shared:
+                assert "NCCL needs one GPU per rank" in methods[base]["unavailable"]
+            else:
+                assert methods[base]["max_rel_err"] <= 0.02
+                assert all(math.isfinite(s["p50_us"]) for s in methods[base]["phases"].values())
+        assert ("speedup" in ours) is not shared
+    assert "pcie_a2a" in proc.stdout and ("n/a: NCCL" in proc.stdout) is shared

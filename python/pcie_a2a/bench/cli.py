@@ -3,7 +3,9 @@ against the torch.distributed baselines (per-expert ``all_to_all_single`` and
 all-gather + reduce-scatter), in the same process group and timing loop.
 
 Defaults: a Kimi K2 decode step (hidden 7168, 384 experts, top-8, 128 tokens per rank) on
-4 spawned CPU ranks (gloo), payloads bf16 and fp8, uniform routing. See docs/benchmarks.md.
+4 spawned CPU ranks (gloo), payloads bf16 and fp8, uniform routing. --backend cuda runs
+Buffer(backend="cuda") on GPUs against NCCL baselines (a GPU per rank; where ranks share
+a GPU only pcie_a2a runs). See docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from pcie_a2a.bench import device
 from pcie_a2a.bench.routing import ROUTINGS, RoutingSpec, check_spec
 
 PAYLOADS = ("bf16", "fp8")
@@ -49,6 +52,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     d = DEFAULTS
     p.add_argument(
         "--world", type=int, default=4, help="ranks to spawn (default 4; ignored under torchrun)"
+    )
+    p.add_argument(
+        "--backend",
+        default="cpu",
+        help="cpu (CPU transport, gloo baselines; default) or cuda (Buffer(backend='cuda') "
+        "on GPU rank %% device_count, NCCL baselines when every rank has its own GPU)",
     )
     p.add_argument(
         "--tokens",
@@ -149,6 +158,8 @@ def resolve(args: argparse.Namespace, world: int) -> dict:
         raise _bad("--hidden", val["hidden"], "a multiple of 128 with --payload fp8")
     if args.mode not in MODES:
         raise _bad("--mode", args.mode, ", ".join(MODES))
+    if args.backend not in device.BACKENDS:
+        raise _bad("--backend", args.backend, ", ".join(device.BACKENDS))
     routings = _list("--routing", args.routing, ROUTINGS)
     for r in routings:
         why = check_spec(
@@ -166,6 +177,7 @@ def resolve(args: argparse.Namespace, world: int) -> dict:
             print(f"pcie-a2a bench: error: {why}", file=sys.stderr)
             raise SystemExit(2)
     return {
+        "backend": args.backend,
         "tokens": sorted(set(tokens)),
         "payloads": payloads,
         "routings": routings,
@@ -183,9 +195,27 @@ def resolve(args: argparse.Namespace, world: int) -> dict:
         "topk_group": args.topk_group,
         "threads": args.threads,
         "timeout": args.timeout,
-        "gloo_timeout": 300,
+        "pg_timeout": 300,
         "call_timeout": 120.0,
     }
+
+
+def device_plan(backend: str, local_world: int) -> device.Plan:
+    """Where the ranks run; exits 2 with one line when ``--backend cuda`` cannot run here
+    (checked after the other options, so a bad option is reported first)."""
+    if backend == "cpu":
+        return device.plan("cpu", 0, local_world)
+    why = device.cuda_unusable()
+    if why:  # one line, no traceback: the usual answer on a box without a GPU
+        print(
+            f"pcie-a2a bench: error: --backend: got 'cuda', which cannot run here ({why}); "
+            "allowed here: cpu",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
+    import torch
+
+    return device.plan("cuda", torch.cuda.device_count(), local_world)
 
 
 def _outputs(args) -> tuple[Path, Path | None]:
@@ -209,6 +239,15 @@ def main(args: argparse.Namespace) -> int:
     torchrun = runner.under_torchrun()
     world = int(os.environ["WORLD_SIZE"]) if torchrun else args.world
     cfg = resolve(args, world)
+    # ranks on this machine: the GPUs they share are this machine's
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if torchrun else world
+    plan = device_plan(args.backend, local_world)
+    cfg |= {
+        "pg_backend": plan.pg_backend,
+        "device_count": plan.device_count,
+        "local_world": local_world,
+        "baselines_na": plan.baselines_na,
+    }
     js, png = _outputs(args)
     error = None
     load_start = report.load()
@@ -222,20 +261,18 @@ def main(args: argparse.Namespace) -> int:
         print("pcie-a2a bench: reporting the configs that finished", file=sys.stderr)
     if raw is None:  # a torchrun rank other than 0
         return 0
-    mach = report.machine(world) | {"load_avg_1m_at_start": load_start}
+    mach = report.machine(world, cfg["backend"], cfg["pg_backend"])
+    mach["load_avg_1m_at_start"] = load_start
+    raw.setdefault("baselines_na", cfg["baselines_na"])
     summary = report.summarize(raw)
-    print(
-        f"machine: {mach['cpu']}, {mach['cores']} cores ({mach['usable_cores']} usable), "
-        f"{mach['memory_gib']} GiB, torch {mach['torch']}, backend {mach['backend']}, "
-        f"world {world}{' (torchrun)' if torchrun else ''}; load avg (1 min) "
-        f"{mach['load_avg_1m_at_start']} at start, {mach['load_avg_1m_at_end']} at end"
-    )
+    for line in report.machine_lines(mach, torchrun, cfg["baselines_na"]):
+        print(line)
     print(
         f"shape: hidden {cfg['hidden']}, {cfg['experts']} experts, top-{cfg['topk']}, "
         f"mode {cfg['mode']}; ag_rs combine: {raw['ag_rs_reduce']}"
     )
     print(
-        f"{report.EXPERT_NOTE}; latency = slowest rank per iteration, p50/p99 over "
+        f"{report.expert_note(cfg['backend'])}; latency = slowest rank per iteration, p50/p99 over "
         "iterations; GB/s = wire bytes per rank / p50; vs X = X p50 / pcie_a2a p50"
     )
     print()
@@ -249,7 +286,7 @@ def main(args: argparse.Namespace) -> int:
         "machine": mach,
         "config": cfg,
         "ag_rs_reduce": raw["ag_rs_reduce"],
-        "expert": report.EXPERT_NOTE,
+        "expert": report.expert_note(cfg["backend"]),
         "results": summary,
     }
     if error:
@@ -262,7 +299,14 @@ def main(args: argparse.Namespace) -> int:
             summary,
             f"pcie-a2a bench, world {world}, hidden "
             f"{cfg['hidden']}, {cfg['experts']} experts, top-{cfg['topk']}, "
-            f"{mach['cpu']} ({mach['cores']} cores), gloo",
+            f"{_plot_machine(mach)}",
         )
         print(f"plot: {png}" if why is None else f"plot skipped: {why}")
     return 1 if error or report.checks(summary) else 0
+
+
+def _plot_machine(mach: dict) -> str:
+    if mach["backend"] == "cuda":
+        gpus = ", ".join(sorted(set(mach["gpus"])))
+        return f"{mach['gpu_count']} x {gpus}, {mach['process_group']}"
+    return f"{mach['cpu']} ({mach['cores']} cores), {mach['process_group']}"

@@ -4,6 +4,13 @@ Per rank: the transport's shared-memory segment (2 parities x world sources x to
 slots, for dispatch and for combine; see csrc/core/wire_format.h), plus the largest
 working set of the three methods (the per-expert baseline holds four [T*k, H] bf16
 tensors, the others a few [world*T, H] ones), plus chunked fp32 temporaries.
+
+``--backend cuda``: the same per-rank bytes are device memory (the CUDA transport's device
+segment has the shm segment's layout; the working sets live on the GPU), times the ranks
+sharing a GPU, against that GPU's free memory (``torch.cuda.mem_get_info``, measured by
+every rank on its own GPU once its CUDA context exists). Host staging segments (pairs
+without P2P) are not estimated: a /dev/shm too small for them fails at Buffer creation
+with the transport's error.
 """
 
 from __future__ import annotations
@@ -70,5 +77,18 @@ def why_not(need: dict) -> str | None:
         return (
             f"needs ~{shm / gib:.1f} GiB of shared memory in {env.shm_dir()}, "
             f"{free / gib:.1f} GiB free"
+        )
+    return None
+
+
+def why_not_gpu(need: dict, free: int, sharing: int, device: int) -> str | None:
+    """A message when ``sharing`` ranks of this config would not fit in GPU ``device``'s
+    ``free`` bytes (skip it), else None."""
+    gib = 1 << 30
+    total = sharing * need["bytes_per_rank"]
+    if total > 0.85 * free:
+        return (
+            f"needs ~{total / gib:.1f} GiB of GPU {device} memory for {sharing} "
+            f"rank{'s' if sharing != 1 else ''}, {free / gib:.1f} GiB free"
         )
     return None

@@ -1,7 +1,9 @@
 """The three things the benchmark times, each as ``step(x, ids, w) -> (out, marks)``.
 
-``marks`` are four ``perf_counter_ns`` stamps: start, dispatch done, expert done, combine
-done. ``wire`` gives the bytes this rank sends across links (self traffic excluded) for
+``marks`` are four stamps of the method's ``clock`` (``perf_counter_ns``; on a GPU after
+``torch.cuda.synchronize``, see :func:`pcie_a2a.bench.device.make_clock`): start, dispatch
+done, expert done, combine done. Every method works on the device of ``x`` (CPU or the
+rank's GPU) with the process group it is given (gloo or NCCL). ``wire`` gives the bytes this rank sends across links (self traffic excluded) for
 dispatch and combine: measured by the transport for ours, analytic for the baselines.
 
 * ``pcie_a2a``: :class:`pcie_a2a.Buffer` dispatch, stand-in expert, combine.
@@ -27,7 +29,7 @@ import torch.distributed as dist
 from pcie_a2a.bench.memory import CHUNK_ROWS
 from pcie_a2a.reference import scale_expert
 
-now = time.perf_counter_ns
+now = time.perf_counter_ns  # the CPU clock; GPU runs pass device.make_clock(...)
 # torch >= 2.13 renamed the tensor collectives (the old names warn); use what exists.
 all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -46,7 +48,7 @@ def expert(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def weighted_sum(rows: torch.Tensor, token: torch.Tensor, w: torch.Tensor, t: int):
     """``out[token[i]] += w[i] * rows[i]`` in fp32, in row chunks; returns rows' dtype."""
-    acc = torch.zeros(t, rows.shape[1], dtype=torch.float32)
+    acc = torch.zeros(t, rows.shape[1], dtype=torch.float32, device=rows.device)
     for i in range(0, rows.shape[0], CHUNK_ROWS):
         j = i + CHUNK_ROWS
         acc.index_add_(0, token[i:j], rows[i:j].float() * w[i:j].unsqueeze(1))
@@ -62,13 +64,14 @@ def expected_output(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, e_local
 class Ours:
     name = "pcie_a2a"
 
-    def __init__(self, buf, low_latency: bool):
+    def __init__(self, buf, low_latency: bool, clock=now):
         self.buf = buf
         self.low_latency = low_latency
+        self.clock = clock
         self.wire = (0, 0)
 
     def step(self, x, ids, w, record: bool = False):
-        buf, h = self.buf, x.shape[1]
+        buf, h, now = self.buf, x.shape[1], self.clock
         t0 = now()
         if self.low_latency:
             r = buf.low_latency_dispatch(x, ids, w, layout="rows")
@@ -94,15 +97,16 @@ class Ours:
 class PerExpertA2A:
     name = "a2a"
 
-    def __init__(self, group, world: int, rank: int, num_experts: int):
+    def __init__(self, group, world: int, rank: int, num_experts: int, clock=now):
         self.group, self.world, self.rank = group, world, rank
         self.e_local = num_experts // world
         self.num_experts = num_experts
+        self.clock = clock
         self.wire = (0, 0)
 
     def step(self, x, ids, w, record: bool = False):
         t, k = ids.shape
-        world, e_local, h = self.world, self.e_local, x.shape[1]
+        world, e_local, h, now = self.world, self.e_local, x.shape[1], self.clock
         t0 = now()
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
@@ -116,8 +120,9 @@ class PerExpertA2A:
         recv = x.new_empty(sum(recv_split), h)
         dist.all_to_all_single(recv, rows, recv_split, send_split, group=self.group)
         t1 = now()
-        local = torch.arange(e_local).repeat(world).repeat_interleave(recv_counts)
-        y = expert(recv, local.unsqueeze(1), torch.ones(local.shape[0], 1))
+        local = torch.arange(e_local, device=x.device).repeat(world)
+        local = local.repeat_interleave(recv_counts)
+        y = expert(recv, local.unsqueeze(1), torch.ones(local.shape[0], 1, device=x.device))
         t2 = now()
         back = x.new_empty(rows.shape[0], h)
         dist.all_to_all_single(back, y, send_split, recv_split, group=self.group)
@@ -133,12 +138,14 @@ class PerExpertA2A:
         return out, (t0, t1, t2, t3)
 
 
-def reduce_scatter_works(group) -> bool:
-    """Whether the backend can reduce-scatter bf16 tensors (collective: call on every rank)."""
+def reduce_scatter_works(group, device: torch.device | None = None) -> bool:
+    """Whether the backend can reduce-scatter bf16 tensors on ``device`` (collective: call
+    on every rank)."""
     world = dist.get_world_size(group)
     try:
-        out = torch.empty(1, dtype=torch.bfloat16)
-        reduce_scatter(out, torch.ones(world, dtype=torch.bfloat16), group=group)
+        out = torch.empty(1, dtype=torch.bfloat16, device=device)
+        ones = torch.ones(world, dtype=torch.bfloat16, device=device)
+        reduce_scatter(out, ones, group=group)
         return float(out) == world
     except (RuntimeError, NotImplementedError, ValueError):
         return False
@@ -147,15 +154,16 @@ def reduce_scatter_works(group) -> bool:
 class AllGatherReduceScatter:
     name = "ag_rs"
 
-    def __init__(self, group, world: int, rank: int, num_experts: int, has_rs: bool):
+    def __init__(self, group, world: int, rank: int, num_experts: int, has_rs: bool, clock=now):
         self.group, self.world, self.rank = group, world, rank
         self.e_local = num_experts // world
         self.has_rs = has_rs
+        self.clock = clock
         self.wire = (0, 0)
 
     def step(self, x, ids, w, record: bool = False):
         t, k = ids.shape
-        world, h = self.world, x.shape[1]
+        world, h, now = self.world, x.shape[1], self.clock
         t0 = now()
         gx = x.new_empty(world * t, h)
         all_gather(gx, x, group=self.group)

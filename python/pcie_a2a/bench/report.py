@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import platform
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -20,9 +21,18 @@ EXPERT_NOTE = (
     "expert = pcie_a2a.reference.scale_expert (a cheap stand-in: real Kimi-sized "
     "bf16 experts do not fit on a CPU box)"
 )
+EXPERT_NOTE_GPU = (
+    "expert = pcie_a2a.reference.scale_expert on the rank's GPU (a cheap stand-in for "
+    "real experts, the same as in CPU runs)"
+)
 
 
-def machine(world: int) -> dict:
+def expert_note(backend: str) -> str:
+    return EXPERT_NOTE_GPU if backend == "cuda" else EXPERT_NOTE
+
+
+def machine(world: int, backend: str = "cpu", pg_backend: str = "gloo") -> dict:
+    """The box, torch, and with ``backend == "cuda"`` the GPUs and CUDA/NCCL versions."""
     model = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -39,18 +49,45 @@ def machine(world: int) -> dict:
     mem = None
     with contextlib.suppress(ValueError, OSError, AttributeError):
         mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30)
-    return {
+    out = {
         "cpu": model,
         "cores": os.cpu_count(),
         "usable_cores": usable,
         "memory_gib": None if mem is None else round(mem, 1),
         "torch": torch.__version__,
         "python": platform.python_version(),
-        "backend": "gloo (CPU)",
+        "backend": backend,
+        "process_group": pg_backend,
         "world": world,
         "os": platform.platform(),
         "load_avg_1m_at_end": load(),
     }
+    if backend == "cuda":
+        from pcie_a2a.bench.device import gpu_info
+
+        out |= gpu_info()
+    return out
+
+
+def machine_lines(mach: dict, torchrun: bool, baselines_na: str | None) -> list[str]:
+    """The header lines that state the machine (the GPU line only with --backend cuda)."""
+    lines = [
+        f"machine: {mach['cpu']}, {mach['cores']} cores ({mach['usable_cores']} usable), "
+        f"{mach['memory_gib']} GiB, torch {mach['torch']}, backend {mach['backend']}, "
+        f"process group {mach['process_group']}, world {mach['world']}"
+        f"{' (torchrun)' if torchrun else ''}; load avg (1 min) "
+        f"{mach['load_avg_1m_at_start']} at start, {mach['load_avg_1m_at_end']} at end"
+    ]
+    if mach["backend"] == "cuda":
+        names = Counter(mach["gpus"])
+        gpus = ", ".join(f"{n} x {name}" for name, n in names.items()) or "none"
+        lines.append(
+            f"gpus: {mach['gpu_count']} visible ({gpus}); CUDA {mach['cuda']}, "
+            f"NCCL {mach['nccl']}; ranks use GPU rank % {mach['gpu_count']}"
+        )
+    if baselines_na:
+        lines.append(f"baselines a2a, ag_rs: {baselines_na}; no speedups")
+    return lines
 
 
 def load() -> float | None:
@@ -93,6 +130,9 @@ def summarize(raw: dict) -> list[dict]:
             methods[name] = {"max_rel_err": m["max_rel_err"], "phases": phases}
         ours = methods[OURS]["phases"]
         for base in BASELINES:
+            if base not in methods:  # did not run (ranks share a GPU): say so, no ratio
+                methods[base] = {"unavailable": raw.get("baselines_na") or "did not run"}
+                continue
             methods[OURS].setdefault("speedup", {})[f"vs_{base}"] = {
                 ph: methods[base]["phases"][ph]["p50_us"] / max(ours[ph]["p50_us"], 1e-9)
                 for ph in PHASES
@@ -106,6 +146,11 @@ def summarize(raw: dict) -> list[dict]:
 
 def _mb(b: float) -> str:
     return f"{b / 1e6:.3g}"
+
+
+def _note_row(res: dict, method: str, text: str) -> tuple:
+    """A table row carrying text instead of numbers (from the ``phase`` column on)."""
+    return (str(res["tokens"]), res["payload"], res["routing"], method, text, *[""] * 6)
 
 
 def table(summary: list[dict]) -> str:
@@ -127,25 +172,14 @@ def table(summary: list[dict]) -> str:
         if rows:
             rows.append(None)
         if "skipped" in res:
-            rows.append(
-                (
-                    str(res["tokens"]),
-                    res["payload"],
-                    res["routing"],
-                    "SKIPPED",
-                    res["skipped"],
-                    "",
-                    "",
-                    "",
-                    "",
-                    "",
-                    "",
-                )
-            )
+            rows.append(_note_row(res, "SKIPPED", res["skipped"]))
             continue
         for name, m in res["methods"].items():
+            if "unavailable" in m:
+                rows.append(_note_row(res, name, m["unavailable"]))
+                continue
             for ph, s in m["phases"].items():
-                sp = m.get("speedup")
+                sp = m.get("speedup", {})  # absent for the baselines, or with no baselines
                 rows.append(
                     (
                         str(res["tokens"]),
@@ -157,11 +191,11 @@ def table(summary: list[dict]) -> str:
                         f"{s['p99_us']:.0f}",
                         f"{s['gbps']:.2f}",
                         _mb(s["wire_bytes"]),
-                        f"{sp['vs_a2a'][ph]:.2f}x" if sp else "-",
-                        f"{sp['vs_ag_rs'][ph]:.2f}x" if sp else "-",
+                        f"{sp['vs_a2a'][ph]:.2f}x" if "vs_a2a" in sp else "-",
+                        f"{sp['vs_ag_rs'][ph]:.2f}x" if "vs_ag_rs" in sp else "-",
                     )
                 )
-    real = [r for r in rows if r is not None and r[3] != "SKIPPED"]
+    real = [r for r in rows if r is not None and r[5]]  # measured rows set the widths
     width = [max([len(h)] + [len(r[i]) for r in real]) for i, h in enumerate(head)]
     left = 5  # text columns are left-aligned, numbers right-aligned
 
@@ -175,8 +209,8 @@ def table(summary: list[dict]) -> str:
     for r in rows:
         if r is None:
             lines.append("")
-        elif r[3] == "SKIPPED":
-            lines.append("  ".join(r[:4]) + ": " + r[4])
+        elif not r[5]:  # SKIPPED config, or a baseline that did not run: text from "phase"
+            lines.append("  ".join(c.ljust(w) for c, w in zip(r[:4], width)) + "  " + r[4])
         else:
             lines.append(fmt(r))
     return "\n".join(lines)
@@ -187,6 +221,8 @@ def checks(summary: list[dict]) -> list[str]:
     bad = []
     for res in summary:
         for name, m in res.get("methods", {}).items():
+            if "unavailable" in m:
+                continue
             tol = TOLERANCE[res["payload"]] if name == OURS else TOLERANCE["bf16"]
             if not m["max_rel_err"] <= tol:
                 bad.append(
@@ -202,12 +238,18 @@ def target_lines(summary: list[dict]) -> list[str]:
     for res in summary:
         if "methods" in res:
             ours = res["methods"][OURS]["phases"]["disp+comb"]["p50_us"]
-            base = res["methods"]["a2a"]["phases"]["disp+comb"]["p50_us"]
+            head = (
+                f"tokens={res['tokens']:<5} payload={res['payload']:<4} "
+                f"routing={res['routing']:<7}: dispatch+combine p50 {ours:.0f} µs"
+            )
+            a2a = res["methods"]["a2a"]
+            if "unavailable" in a2a:
+                out.append(f"{head}; a2a {a2a['unavailable']} (no ratio)")
+                continue
+            base = a2a["phases"]["disp+comb"]["p50_us"]
             ratio = base / max(ours, 1e-9)
             out.append(
-                f"tokens={res['tokens']:<5} payload={res['payload']:<4} "
-                f"routing={res['routing']:<7}: dispatch+combine p50 {ours:.0f} µs vs "
-                f"a2a {base:.0f} µs = {ratio:.3f}x "
+                f"{head} vs a2a {base:.0f} µs = {ratio:.3f}x "
                 f"({'meets' if ratio >= 2 else 'misses'} the 2x target)"
             )
     return out
@@ -233,7 +275,9 @@ def plot(path: Path, summary: list[dict], title: str) -> str | None:
     lines: dict[tuple, list] = {}
     first_payload = done[0]["payload"]
     for res in done:
-        for name in res["methods"]:
+        for name, m in res["methods"].items():
+            if "unavailable" in m:
+                continue
             if name != OURS and res["payload"] != first_payload:
                 continue  # baselines are bf16 whatever our payload: plot them once
             label = f"{name} {res['payload']}" if name == OURS else name

@@ -1,5 +1,10 @@
-"""Starts the ranks: spawned processes on a free loopback port (gloo), or, under torchrun
+"""Starts the ranks: spawned processes on a free loopback port, or, under torchrun
 (RANK and WORLD_SIZE set), this process as one rank of the launcher's group.
+
+The group's backend is ``cfg["pg_backend"]`` (gloo, or NCCL for ``--backend cuda`` with a
+GPU per rank; bench/device.py). With ``--backend cuda`` a rank makes its GPU
+(``local rank % device_count``) the current device before the group exists, so that NCCL,
+the object collectives and ``Buffer(backend="cuda")`` all use it.
 
 Spawned ranks are joined with deadlines and always torn down; a rank that fails makes
 the others stop within a short grace period. Shared-memory segments are unlinked by the
@@ -42,11 +47,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _init(cfg: dict, **kwargs) -> None:
+def local_rank() -> int:
+    """This process's rank on its machine (torchrun's LOCAL_RANK; RANK otherwise)."""
+    return int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
+
+
+def _init(cfg: dict, local: int, **kwargs) -> None:
+    import torch
     import torch.distributed as dist
 
+    from pcie_a2a.bench.device import rank_device
+
+    if cfg["backend"] == "cuda":
+        dev = rank_device(local, cfg["device_count"])
+        torch.cuda.set_device(dev)
+        if cfg["pg_backend"] == "nccl":
+            # binds the communicator to this GPU: barriers and object collectives use it
+            kwargs["device_id"] = torch.device("cuda", dev)
     dist.init_process_group(
-        "gloo", timeout=datetime.timedelta(seconds=cfg["gloo_timeout"]), **kwargs
+        cfg["pg_backend"], timeout=datetime.timedelta(seconds=cfg["pg_timeout"]), **kwargs
     )
 
 
@@ -58,7 +77,7 @@ def _child(rank: int, world: int, port: int, cfg: dict, results) -> None:
 
         from pcie_a2a.bench.worker import run_sweep
 
-        _init(cfg, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        _init(cfg, rank, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         try:
             out = run_sweep(cfg, emit=lambda kind, value: results.put((kind, rank, value)))
         finally:
@@ -74,7 +93,7 @@ def run_torchrun(cfg: dict) -> dict | None:
 
     from pcie_a2a.bench.worker import run_sweep
 
-    _init(cfg, init_method="env://")
+    _init(cfg, local_rank(), init_method="env://")
     try:
         return run_sweep(cfg)
     finally:
@@ -160,5 +179,10 @@ def run(cfg: dict, world: int) -> dict | None:
         return run_torchrun(cfg)
     if world < 1:
         raise BenchError(f"--world: got {world}; allowed: a positive int")
-    print(f"[bench] spawning {world} ranks (gloo on 127.0.0.1)", file=sys.stderr, flush=True)
+    where = "" if cfg["backend"] == "cpu" else f", {cfg['device_count']} GPUs"
+    print(
+        f"[bench] spawning {world} ranks ({cfg['pg_backend']} on 127.0.0.1{where})",
+        file=sys.stderr,
+        flush=True,
+    )
     return run_spawned(cfg, world)

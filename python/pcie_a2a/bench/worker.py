@@ -8,6 +8,11 @@ exceeded, estimated from the last warmup iteration, but at least ``min_iters``).
 timed iteration runs the three methods back to back, each after a barrier, in an order
 rotated per iteration. A phase's latency in an iteration is its slowest rank's; p50/p99
 are over iterations.
+
+With ``backend == "cuda"`` x, the routing and the expert live on the rank's GPU (the
+runner has made it the current device), stamps are taken after ``torch.cuda.synchronize``
+and the statistics travel on the group's device (NCCL needs CUDA tensors). When ranks
+share a GPU only ``pcie_a2a`` runs (``cfg["baselines_na"]`` says why; see bench/device.py).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 import pcie_a2a
-from pcie_a2a.bench import memory
+from pcie_a2a.bench import device, memory
 from pcie_a2a.bench.methods import (
     AllGatherReduceScatter,
     Ours,
@@ -43,6 +48,30 @@ def _bcast(obj, group):
     return box[0]
 
 
+def _gather(t: torch.Tensor, group, comm: torch.device) -> torch.Tensor:
+    """``all_gather`` of a small stats tensor on the group's device; [world, ...] on CPU."""
+    t = t.to(comm)
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, t, group=group)
+    return torch.stack(out).cpu()
+
+
+def _why_not(cfg: dict, group, rank: int, world: int, dev, tokens: int, payload: str):
+    """Why this config would not fit (every rank gets the same answer), or None."""
+    need = memory.estimate(cfg, world, tokens, payload)
+    if dev.type != "cuda":  # host memory and /dev/shm, judged by rank 0
+        return _bcast(memory.why_not(need) if rank == 0 else None, group)
+    # device memory, judged on every GPU: each rank measures its own after the others
+    # have freed the previous config's tensors, and counts the ranks sharing its GPU
+    torch.cuda.empty_cache()
+    dist.barrier(group)
+    free, _ = torch.cuda.mem_get_info(dev)
+    sharing = device.ranks_on_device(cfg["local_world"], cfg["device_count"], dev.index)
+    whys: list = [None] * world
+    dist.all_gather_object(whys, memory.why_not_gpu(need, free, sharing, dev.index), group=group)
+    return next((w for w in whys if w), None)
+
+
 def run_sweep(cfg: dict, group=None, emit=None) -> dict | None:
     """Runs the whole sweep on this rank; rank 0 returns the raw results, others None.
 
@@ -51,16 +80,23 @@ def run_sweep(cfg: dict, group=None, emit=None) -> dict | None:
     """
     torch.set_num_threads(cfg["threads"])
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    has_rs = reduce_scatter_works(group)
+    cuda = cfg["backend"] == "cuda"
+    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    if cuda:
+        torch.zeros(1, device=dev)  # create the context now, not inside the memory check
+    comm = dev if cfg["pg_backend"] == "nccl" else torch.device("cpu")
+    clock = device.make_clock(dev)
+    na = cfg["baselines_na"]
+    has_rs = na is None and reduce_scatter_works(group, comm)
     reduce = f"{reduce_scatter.__name__}" if has_rs else f"{all_gather.__name__} + local sum"
+    reduce = na or reduce
     emit = emit if rank == 0 and emit is not None else (lambda kind, value: None)
-    emit("meta", {"ag_rs_reduce": reduce})
+    emit("meta", {"ag_rs_reduce": reduce, "baselines_na": na})
     combos = [(t, p) for t in cfg["tokens"] for p in cfg["payloads"]]
     total = len(combos) * len(cfg["routings"])
     done, results, start = 0, [], time.monotonic()
     for tokens, payload in combos:
-        need = memory.estimate(cfg, world, tokens, payload)
-        why = _bcast(memory.why_not(need) if rank == 0 else None, group)
+        why = _why_not(cfg, group, rank, world, dev, tokens, payload)
         if why:
             for routing in cfg["routings"]:
                 done += 1
@@ -80,21 +116,22 @@ def run_sweep(cfg: dict, group=None, emit=None) -> dict | None:
             tokens,
             payload=payload,
             num_topk=cfg["topk"],
-            backend="cpu",
+            backend=cfg["backend"],
             timeout_s=cfg["call_timeout"],
         )
         try:
-            methods = [
-                Ours(buf, cfg["mode"] == "low_latency"),
-                PerExpertA2A(group, world, rank, cfg["experts"]),
-                AllGatherReduceScatter(group, world, rank, cfg["experts"], has_rs),
-            ]
+            methods = [Ours(buf, cfg["mode"] == "low_latency", clock)]
+            if na is None:
+                methods += [
+                    PerExpertA2A(group, world, rank, cfg["experts"], clock),
+                    AllGatherReduceScatter(group, world, rank, cfg["experts"], has_rs, clock),
+                ]
             for routing in cfg["routings"]:
                 done += 1
                 label = f"{done}/{total} tokens={tokens} payload={payload} routing={routing}"
                 _progress(rank, f"{label} ...")
                 t_cfg = time.monotonic()
-                res = _run_config(cfg, group, rank, world, methods, tokens, routing)
+                res = _run_config(cfg, group, (rank, world, dev, comm), methods, tokens, routing)
                 if rank == 0:
                     res.update(tokens=tokens, payload=payload, routing=routing)
                     results.append(res)
@@ -109,10 +146,11 @@ def run_sweep(cfg: dict, group=None, emit=None) -> dict | None:
             buf.close()
     if rank != 0:
         return None
-    return {"results": results, "ag_rs_reduce": reduce}
+    return {"results": results, "ag_rs_reduce": reduce, "baselines_na": na}
 
 
-def _run_config(cfg, group, rank, world, methods, tokens, routing) -> dict:
+def _run_config(cfg, group, where, methods, tokens, routing) -> dict:
+    rank, world, dev, comm = where
     spec = RoutingSpec(
         routing,
         cfg["experts"],
@@ -122,15 +160,17 @@ def _run_config(cfg, group, rank, world, methods, tokens, routing) -> dict:
         cfg["n_group"],
         cfg["topk_group"],
     )
-    ids, w = make_routing(spec, tokens, rank)
+    ids_cpu, w_cpu = make_routing(spec, tokens, rank)  # generated on the host: same everywhere
     g = torch.Generator().manual_seed(cfg["seed"] * 7 + rank)
-    x = torch.randn(tokens, cfg["hidden"], generator=g).to(torch.bfloat16)
-    want = expected_output(x, ids, w, cfg["experts"] // world)
+    x_cpu = torch.randn(tokens, cfg["hidden"], generator=g).to(torch.bfloat16)
+    want = expected_output(x_cpu, ids_cpu, w_cpu, cfg["experts"] // world)
+    x, ids, w = x_cpu.to(dev), ids_cpu.to(dev), w_cpu.to(dev)
     scale = float(want.abs().max()) if want.numel() else 1.0
     errors, wires = [], []
     for m in methods:  # untimed: correctness and wire bytes
         out, _ = m.step(x, ids, w, record=True)
-        err = float((out.float() - want).abs().max()) / max(scale, 1e-12) if out.numel() else 0.0
+        out = out.float().cpu()
+        err = float((out - want).abs().max()) / max(scale, 1e-12) if out.numel() else 0.0
         errors.append(err)
         wires.append(m.wire)
     per_iter, warm_start = 0.0, time.perf_counter()
@@ -160,23 +200,19 @@ def _run_config(cfg, group, rank, world, methods, tokens, routing) -> dict:
     d = marks[..., 1] - marks[..., 0]
     c = marks[..., 3] - marks[..., 2]
     phases = torch.stack([d, c, d + c, marks[..., 3] - marks[..., 0]], dim=-1)
-    every = [torch.empty_like(phases) for _ in range(world)]
-    dist.all_gather(every, phases, group=group)
+    every = _gather(phases, group, comm)
     local = torch.tensor(
         [[e, *wb] for e, wb in zip(errors, wires, strict=True)], dtype=torch.float64
     )
-    checks = [torch.empty_like(local) for _ in range(world)]
-    dist.all_gather(checks, local, group=group)
-    fanout = torch.tensor([ranks_per_token(ids, cfg["experts"], world)], dtype=torch.float64)
-    fanouts = [torch.empty_like(fanout) for _ in range(world)]
-    dist.all_gather(fanouts, fanout, group=group)
+    checks_t = _gather(local, group, comm)  # [world, methods, 3]
+    fanout = ranks_per_token(ids_cpu, cfg["experts"], world)
+    fanouts = _gather(torch.tensor([fanout], dtype=torch.float64), group, comm)
     if rank != 0:
         return {}
-    slowest = torch.stack(every).amax(dim=0)  # [methods, iters, phases], ns
-    checks_t = torch.stack(checks)  # [world, methods, 3]
+    slowest = every.amax(dim=0)  # [methods, iters, phases], ns
     return {
         "iters": iters,
-        "ranks_per_token": float(torch.stack(fanouts).mean()),
+        "ranks_per_token": float(fanouts.mean()),
         "methods": {
             m.name: {
                 "ns": slowest[i].tolist(),
