@@ -5,6 +5,9 @@
 # any GPU test failed (the benchmarks only report).
 #   scripts/gpu_check.sh              # build in build/gpu-check, run everything
 #   SKIP_BUILD=1 scripts/gpu_check.sh # reuse the modules already in python/pcie_a2a
+#   SKIP_BENCH=1 / SKIP_TESTS=1       # split one check over two calls of a time-limited
+#                                     # machine (e.g. build + tests, then SKIP_BUILD=1
+#                                     # SKIP_TESTS=1 for the benchmarks)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
@@ -52,8 +55,10 @@ run_pytest() {  # name, timeout, pytest args...
     status=1
   fi
 }
-if [[ $status -eq 0 ]]; then
-  run_pytest "pytest -m gpu: cuda transport" 240 tests/test_cuda_transport.py
+if [[ "${SKIP_TESTS:-0}" == 1 ]]; then
+  row "pytest -m gpu" skipped "0s" "SKIP_TESTS=1"
+elif [[ $status -eq 0 ]]; then
+  run_pytest "pytest -m gpu: cuda transport" 300 tests/test_cuda_transport.py
   others=$(grep -l "mark.gpu" tests/*.py 2>/dev/null | grep -v test_cuda_transport.py | tr '\n' ' ')
   if [[ -n "$others" ]]; then
     # shellcheck disable=SC2086
@@ -67,7 +72,9 @@ fi
 t=$(now)
 one_gpu_log="$log_dir/bench_cuda_one_gpu.log"
 rm -f "$one_gpu_log" "$log_dir/bench_cuda_one_gpu.json"  # no stale table from an earlier run
-if [[ $status -eq 0 ]]; then
+if [[ "${SKIP_BENCH:-0}" == 1 ]]; then
+  row "bench cuda one GPU (1-8 ranks)" skipped "0s" "SKIP_BENCH=1"
+elif [[ $status -eq 0 ]]; then
   timeout 210 python benchmarks/bench_cuda_one_gpu.py --json "$log_dir/bench_cuda_one_gpu.json" \
     > "$one_gpu_log" 2>&1
   rc=$?
@@ -93,7 +100,9 @@ t=$(now)
 bench_log="$log_dir/bench.log"
 rm -f "$bench_log" "$log_dir/bench.json"  # no stale table from an earlier run
 ngpu=$(python -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
-if python -c 'import pcie_a2a.bench.cli' > /dev/null 2>&1; then
+if [[ "${SKIP_BENCH:-0}" == 1 ]]; then
+  row "bench cuda" skipped "0s" "SKIP_BENCH=1"
+elif python -c 'import pcie_a2a.bench.cli' > /dev/null 2>&1; then
   if timeout 120 python -m pcie_a2a bench --help > "$log_dir/bench_help.txt" 2>&1 \
       && grep -q -- "--backend" "$log_dir/bench_help.txt"; then
     world=$(( ngpu >= 2 ? (ngpu > 8 ? 8 : ngpu) : 2 ))

@@ -107,12 +107,12 @@ PYBIND11_MODULE(_cuda_transport, m) {
       .def(
           "wait_counts",
           [](CudaTransport& t, uintptr_t ticket, uintptr_t counts, double timeout_s,
-             uintptr_t stream) {
+             bool tolerate_aborts, uintptr_t stream) {
             t.wait_counts(ptr<const CallTicket>(ticket), ptr<int32_t>(counts), timeout_s,
-                          stream_of(stream));
+                          tolerate_aborts, stream_of(stream));
           },
-          py::arg("ticket"), py::arg("counts"), py::arg("timeout_s"), py::arg("stream"),
-          py::call_guard<py::gil_scoped_release>())
+          py::arg("ticket"), py::arg("counts"), py::arg("timeout_s"), py::arg("tolerate_aborts"),
+          py::arg("stream"), py::call_guard<py::gil_scoped_release>())
       .def(
           "unpack_rows",
           [](CudaTransport& t, uintptr_t ticket, bool wait, uintptr_t counts, uintptr_t row_base,

@@ -22,12 +22,13 @@ from __future__ import annotations
 import os
 import secrets
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from pcie_a2a import _native, env
+from pcie_a2a import env
 from pcie_a2a.placement import Placement
 
 P2P, STAGED = 0, 1
@@ -50,6 +51,34 @@ def _ptr(t: torch.Tensor | int | None) -> int:
     return t.data_ptr()
 
 
+def _check(t, name: str, device, dtypes: tuple, shape: tuple, align: int = 16) -> None:
+    """Raises ValueError/TypeError naming the tensor, what it is and what is allowed
+    (None in `shape`: any size; `align`: bytes, 16 for rows stored as vectors)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: got {type(t).__name__}, expected a torch.Tensor")
+    if t.device != device:
+        raise ValueError(f"{name}.device: got {t.device}, expected {device}")
+    if t.dtype not in dtypes:
+        want = " or ".join(str(d) for d in dtypes)
+        raise TypeError(f"{name}.dtype: got {t.dtype}, expected {want}")
+    if t.dim() != len(shape) or any(w is not None and g != w for g, w in zip(t.shape, shape)):
+        want = "[" + ", ".join("*" if w is None else str(w) for w in shape) + "]"
+        raise ValueError(f"{name}.shape: got {list(t.shape)}, expected {want}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name}: got a non-contiguous tensor, expected a contiguous one")
+    if t.numel() and t.data_ptr() % align:
+        raise ValueError(
+            f"{name}: got data at address {t.data_ptr():#x}, expected {align}-byte alignment "
+            "(the kernels move rows as 16-byte vectors; .clone() gives an aligned copy)"
+        )
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """The eager path accepts any contiguous tensor (as the CPU transport does): a view at
+    an odd offset is copied to a fresh, aligned allocation."""
+    return t.clone() if t.numel() and t.data_ptr() % 16 else t
+
+
 def _release(tx: Any, names: list[str]) -> None:
     if tx is not None:
         tx.close()
@@ -61,25 +90,46 @@ def _release(tx: Any, names: list[str]) -> None:
         mod.CudaTransport.unlink_name(name)
 
 
-def default_pair_plan(devices: list[int], p2p: bool | None) -> list[list[int]]:
-    """Transport of every ordered pair (sender, receiver): P2P or STAGED.
+def device_uuid(index: int) -> str:
+    """A name of CUDA device `index` that every process agrees on, whatever its
+    CUDA_VISIBLE_DEVICES: the device UUID (PCI location as a fallback)."""
+    props = torch.cuda.get_device_properties(index)
+    uuid = getattr(props, "uuid", None)
+    if uuid is not None:
+        return str(uuid)
+    pci = tuple(getattr(props, f, None) for f in ("pci_domain_id", "pci_bus_id", "pci_device_id"))
+    return f"pci:{pci}" if None not in pci else f"index:{index}"
 
-    ``p2p`` is PCIE_A2A_P2P: False stages every pair through host memory, True forces P2P,
-    None uses P2P where CUDA reports peer access (always for ranks on one device).
-    The topology planner's per-pair decision can replace this via ``pair_transport``.
+
+def outgoing_pairs(
+    rank: int,
+    uuids: list[str],
+    p2p: bool | None,
+    visible: list[str],
+    can_access: Callable[[int, int], bool],
+) -> list[int]:
+    """How `rank` reaches every rank (its row of the pair plan): P2P or STAGED.
+
+    ``uuids[r]``: rank r's device (:func:`device_uuid`); ``visible``: the UUIDs of the
+    devices this process sees, by local index; ``can_access(i, j)``: CUDA peer access
+    between local indices. ``p2p`` is PCIE_A2A_P2P: False stages every pair through host
+    memory, True forces P2P; None uses P2P for ranks on the same device (IPC) and where
+    CUDA reports peer access. A peer whose device this process cannot see (one GPU per
+    process through CUDA_VISIBLE_DEVICES) cannot be opened through IPC: staged.
     """
-    world = len(devices)
-    plan = [[P2P] * world for _ in range(world)]
-    for s in range(world):
-        for d in range(world):
-            if s == d:
-                continue
-            if p2p is False:
-                plan[s][d] = STAGED
-            elif p2p is None and devices[s] != devices[d]:
-                ok = torch.cuda.can_device_access_peer(devices[s], devices[d])
-                plan[s][d] = P2P if ok else STAGED
-    return plan
+    mine = uuids[rank]
+    row = []
+    for d, theirs in enumerate(uuids):
+        if d == rank or (theirs == mine and p2p is not False):
+            row.append(P2P)
+        elif p2p is not None:
+            row.append(P2P if p2p else STAGED)
+        elif mine in visible and theirs in visible:
+            ok = can_access(visible.index(mine), visible.index(theirs))
+            row.append(P2P if ok else STAGED)
+        else:
+            row.append(STAGED)
+    return row
 
 
 class CudaTransport:
@@ -154,12 +204,17 @@ class CudaTransport:
         self._counts = torch.zeros(world, dtype=torch.int32, device=self.device)
 
         uid = f"{os.getpid()}_{secrets.token_hex(6)}"
-        gathered = self._gather((self.device.index, uid))
-        devices = [g[0] for g in gathered]
+        gathered = self._gather((device_uuid(self.device.index), uid))
+        uuids = [g[0] for g in gathered]
         prefix = f"pcie_a2a.{gathered[0][1]}"
         names = [mod.CudaTransport.segment_name(prefix, r) for r in range(world)]
         if pair_transport is None:
-            plan = default_pair_plan(devices, env.p2p())
+            # Each sender decides its own row (only it can ask CUDA about its peers);
+            # every rank then uses the same gathered plan.
+            visible = [device_uuid(i) for i in range(torch.cuda.device_count())]
+            plan = self._gather(
+                outgoing_pairs(rank, uuids, env.p2p(), visible, torch.cuda.can_device_access_peer)
+            )
         else:
             code = {"p2p": P2P, "staged": STAGED, P2P: P2P, STAGED: STAGED}
             plan = [[code[v] for v in row] for row in pair_transport]
@@ -264,12 +319,31 @@ class CudaTransport:
     # ---- graph-capturable (async) low-latency API ----------------------------------------
     def dispatch_send_async(self, ticket, op, x, topk_ids, topk_weights, send_token, send_count):
         """Begins a dispatch call and pushes one row per (token, destination rank).
-        topk_ids int32 [T, k], topk_weights fp32 [T, k]; outputs send_token int32
-        [world * max_tokens], send_count int32 [world]."""
+        x [T, H] contiguous, 16-byte aligned, in the transport's dtype; topk_ids int32
+        [T, k]; topk_weights fp32 [T, k]; outputs send_token int32 [world * max_tokens],
+        send_count int32 [world]. Unlike the Buffer, this path does not look at the ids'
+        values (that would synchronise): ids outside [0, num_experts) are skipped, and a
+        token must not list one expert twice."""
         self._launch_dispatch(ticket, op, x, topk_ids, topk_weights, send_token, send_count)
         self._advance(None, op, None)  # after the launch: a refused call consumes no number
 
+    def _check_send_inputs(self, x, topk_ids, topk_weights) -> None:
+        """What the kernels cannot check and the graph path does not get from the Buffer:
+        device, dtype, shape, contiguity and 16-byte alignment (vector stores)."""
+        _check(x, "x", self.device, (self.dtype,), (None, self.hidden))
+        if x.shape[0] > self.max_tokens:
+            raise ValueError(f"x.shape[0]: got {x.shape[0]}, expected <= {self.max_tokens}")
+        t = x.shape[0]
+        _check(topk_ids, "topk_ids", self.device, (torch.int32,), (t, None), align=4)
+        if topk_ids.shape[1] > self.num_topk:
+            raise ValueError(
+                f"topk_ids.shape[1]: got {topk_ids.shape[1]}, expected <= {self.num_topk}"
+            )
+        shape = tuple(topk_ids.shape)
+        _check(topk_weights, "topk_weights", self.device, (torch.float32,), shape, align=4)
+
     def _launch_dispatch(self, ticket, op, x, topk_ids, topk_weights, send_token, send_count):
+        self._check_send_inputs(x, topk_ids, topk_weights)
         self._tx().dispatch_send(
             _ptr(ticket),
             op,
@@ -373,6 +447,7 @@ class CudaTransport:
     def _launch_combine(
         self, ticket, op, y, recv_count, row_base, expert_pos, row_experts, row_weights
     ):
+        _check(y, "y", self.device, (self.dtype,), (None,) * (y.dim() - 1) + (self.hidden,))
         self._tx().combine_send(
             _ptr(ticket),
             op,
@@ -415,6 +490,7 @@ class CudaTransport:
         del placement  # the device copy from construction is used
         if num_tokens != x.shape[0] or topk != topk_ids.shape[1]:
             raise ValueError("num_tokens/topk disagree with the tensors")
+        x = _aligned(x)
         self._tx().check()
         self._dispatch_ticket = self.new_ticket()
         slot = self._tx().dispatch_slot_bytes
@@ -455,7 +531,7 @@ class CudaTransport:
         del seq, op
         tx = self._tx()
         tx.wait_counts(
-            _ptr(self._dispatch_ticket), _ptr(self._counts), float(timeout_s), self._stream()
+            _ptr(self._dispatch_ticket), _ptr(self._counts), float(timeout_s), False, self._stream()
         )
         counts = self._counts.tolist()  # synchronises the stream
         tx.check()
@@ -465,7 +541,8 @@ class CudaTransport:
         """Publishes abort flags for this call, then still receives it: waits for every
         peer's flag of the call (their rows or their own aborts), so that this rank does
         not send call n + 1 before it has received call n (the reuse invariant of
-        core/wire_format.h). A peer's abort is expected here and not raised."""
+        core/wire_format.h). Only arrival counts here (a peer's abort or other call is not
+        raised, as in the CPU transport); a peer that never sends raises PeerTimeoutError."""
         ticket = self.new_ticket()
         tx = self._tx()
         tx.abort(_ptr(ticket), op, _FAMILY[op], self._stream())
@@ -475,12 +552,9 @@ class CudaTransport:
         else:
             self._combine_ticket = ticket
         wait_s = self.timeout_s if timeout_s is None else float(timeout_s)
-        tx.wait_counts(_ptr(ticket), _ptr(self._counts), wait_s, self._stream())
+        tx.wait_counts(_ptr(ticket), _ptr(self._counts), wait_s, True, self._stream())
         torch.cuda.current_stream(self.device).synchronize()
-        try:
-            tx.check()
-        except _native.transport().PeerAbortedError:
-            pass
+        tx.check()
 
     def unpack_rows(
         self,
@@ -546,6 +620,7 @@ class CudaTransport:
     def combine_send(self, seq, op, parity, y, counts, row_base) -> None:
         tx = self._tx()
         tx.check()
+        y = _aligned(y)
         self._combine_ticket = self.new_ticket()
         rows = y.shape[0] if y.dim() == 2 else 0
         if op == _OP_COMBINE and self._copy_engine_could_serve(rows * tx.combine_slot_bytes):

@@ -102,9 +102,10 @@ CudaTransport::CudaTransport(std::string prefix, int32_t rank, const WireConfig&
                  "hidden must be a positive multiple of 8 (16-byte rows), got ", c.hidden);
   PA2A_CHECK_ARG(c.payload != Payload::kFP8 || c.hidden % kFp8GroupSize == 0,
                  "fp8 payload needs hidden to be a multiple of 128, got ", c.hidden);
-  PA2A_CHECK_ARG(c.max_tokens >= 1 && c.max_tokens < (1 << 20),
-                 "max_tokens_per_rank must be in [1, 2^20) for the CUDA transport, got ",
-                 c.max_tokens);
+  // Receive grids have ceil(max_tokens / 16) blocks in y (at most 65535).
+  PA2A_CHECK_ARG(c.max_tokens >= 1 && c.max_tokens <= 65535 * 16,
+                 "max_tokens_per_rank must be in [1, ", 65535 * 16,
+                 "] for the CUDA transport, got ", c.max_tokens);
   PA2A_CHECK_ARG(c.num_topk >= 1 && c.num_topk <= 64, "num_topk must be in [1, 64], got ",
                  c.num_topk);
   PA2A_CHECK_ARG((c.dtype == DType::kBF16 && c.payload != Payload::kFP16) ||
@@ -206,7 +207,14 @@ void* CudaTransport::map_host_segment(int32_t r, bool create) {
   }
   if (create) {
     void* d = nullptr;
-    PA2A_CUDA_CHECK(cudaHostGetDevicePointer(&d, p, 0));
+    const cudaError_t dev = cudaHostGetDevicePointer(&d, p, 0);
+    if (dev != cudaSuccess) {
+      (void)cudaGetLastError();
+      (void)cudaHostUnregister(p);
+      ::munmap(p, layout_.total);
+      PA2A_THROW(kRuntime, "cudaHostGetDevicePointer of ", name, " failed: ", cudaGetErrorName(dev),
+                 ": ", cudaGetErrorString(dev));
+    }
     host_seg_dev_ = static_cast<uint8_t*>(d);
   }
   return p;
@@ -624,10 +632,10 @@ void CudaTransport::abort(CallTicket* ticket, uint32_t op, int family, cudaStrea
 }
 
 void CudaTransport::wait_counts(const CallTicket* ticket, int32_t* counts, double timeout_s,
-                                cudaStream_t stream) {
+                                bool tolerate_aborts, cudaStream_t stream) {
   require_open("wait_counts");
   DeviceGuard guard(device_);
-  launch_wait_counts(context(), ticket, counts, timeout_ns(timeout_s), stream);
+  launch_wait_counts(context(), ticket, counts, timeout_ns(timeout_s), tolerate_aborts, stream);
   check_launch("wait_counts");
 }
 

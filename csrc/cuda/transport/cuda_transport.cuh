@@ -82,8 +82,9 @@ class CudaTransport {
                      const int32_t* topk_ids, const float* topk_weights, int32_t topk,
                      int32_t* send_token, int32_t* send_count, cudaStream_t stream);
   void abort(CallTicket* ticket, uint32_t op, int family, cudaStream_t stream);
+  // tolerate_aborts: after this rank's own abort, only arrival matters (see wait_flag).
   void wait_counts(const CallTicket* ticket, int32_t* counts, double timeout_s,
-                   cudaStream_t stream);
+                   bool tolerate_aborts, cudaStream_t stream);
   void unpack_rows(const CallTicket* ticket, bool wait, int32_t* counts, const int64_t* row_base,
                    void* x_out, uint8_t* fp8_out, float* scales_out, int32_t* src_rank,
                    int32_t* src_token, int32_t* topk_ids, float* topk_weights,

@@ -163,11 +163,18 @@ __device__ __forceinline__ uint64_t globaltimer_ns() {
 }
 
 // Records the first problem of a call. Plain (relaxed, system-scope) store: the host reads
-// the word without synchronising, and any writer's word is a complete description.
+// the word without synchronising, and any writer's word is a complete description. An
+// abort is the mildest problem (the host clears it and the Buffer stays usable), so any
+// other problem replaces it: a peer that aborted must not hide a peer that never came.
 __device__ __forceinline__ void record_error(uint64_t* err, DeviceError code, uint32_t op,
                                              int32_t peer, uint32_t seq) {
-  if (*reinterpret_cast<volatile uint64_t*>(err) == 0)
+  const uint64_t old = *reinterpret_cast<volatile uint64_t*>(err);
+  if (old == 0 || (error_code(old) == DeviceError::kAborted && code != DeviceError::kAborted))
     st_relaxed_sys(err, pack_error(code, op, peer, seq));
+}
+
+__device__ __forceinline__ bool timed_out_elsewhere(const uint64_t* err) {
+  return error_code(*reinterpret_cast<const volatile uint64_t*>(err)) == DeviceError::kTimeout;
 }
 
 __device__ __forceinline__ FlagLine* flag_line_at(uint8_t* base, int parity, int src,
@@ -178,21 +185,29 @@ __device__ __forceinline__ FlagLine* flag_line_at(uint8_t* base, int parity, int
 // Polls the flag of (src -> this rank) for call t.seq in our own memory until it holds
 // t.seq or the deadline passes. Returns the row count, or -1 after recording an error.
 // `max_count` bounds a sane count (max_tokens); `expect` >= 0 demands an exact count.
+// `tolerate` (this rank is aborting the call): only arrival matters, whatever the flag
+// says, as in the CPU transport's wait after an abort. A wait gives up early once another
+// wait of this rank timed out (the transport is broken then; blocks that run in waves
+// would otherwise each wait out a full timeout).
 __device__ __forceinline__ int32_t wait_flag(const FlagLine* f, const CallTicket& t, int32_t src,
                                              int32_t max_count, int32_t expect, uint64_t timeout_ns,
-                                             uint64_t* err) {
+                                             uint64_t* err, bool tolerate = false) {
   const uint64_t start = globaltimer_ns();
   uint32_t spins = 0;
   uint64_t w = ld_acquire_sys(&f->word);
   while (flag_seq(w) != t.seq) {
     // Check the clock every 64 polls: %globaltimer is a slow special register.
-    if ((++spins & 63u) == 0 && globaltimer_ns() - start > timeout_ns) {
-      record_error(err, DeviceError::kTimeout, t.op, src, t.seq);
-      return -1;
+    if ((++spins & 63u) == 0) {
+      if (globaltimer_ns() - start > timeout_ns) {
+        record_error(err, DeviceError::kTimeout, t.op, src, t.seq);
+        return -1;
+      }
+      if (timed_out_elsewhere(err)) return -1;
     }
     __nanosleep(64);  // back off: the poll competes with the rows arriving over PCIe
     w = ld_acquire_sys(&f->word);
   }
+  if (tolerate) return 0;
   const uint32_t n = flag_count(w);
   if (n == kAbortCount) {
     record_error(err, DeviceError::kAborted, t.op, src, t.seq);

@@ -293,11 +293,12 @@ __global__ void __launch_bounds__(kThreads)
 
 // ---- dispatch receive ------------------------------------------------------------------
 __global__ void wait_counts_kernel(KernelContext k, const CallTicket* ticket, int32_t* counts,
-                                   uint64_t timeout_ns) {
+                                   uint64_t timeout_ns, int tolerate_aborts) {
   const CallTicket t = *ticket;
   for (int s = threadIdx.x; s < k.cfg.world; s += blockDim.x) {
     const FlagLine* f = flag_line_at(k.peers->recv_base[s], static_cast<int>(t.seq & 1u), s, k.cfg);
-    const int32_t n = wait_flag(f, t, s, k.cfg.max_tokens, -1, timeout_ns, k.err);
+    const int32_t n =
+        wait_flag(f, t, s, k.cfg.max_tokens, -1, timeout_ns, k.err, tolerate_aborts != 0);
     counts[s] = n < 0 ? 0 : n;
   }
 }
@@ -443,18 +444,28 @@ __global__ void __launch_bounds__(kThreads)
     expert_pos[(row0 + j) * K + kk] = -1;
   }
   __syncthreads();
-  // Position of row j among source s's rows of expert e: a ballot scan in j order.
+  // Position of each (row j, slot k) of expert e among source s's entries of e, in (j, k)
+  // order: a warp scan over rows of the entries per row. A row normally lists e at most
+  // once; the graph path does not check for duplicates, so a duplicate gets its own
+  // position (as on the CPU) instead of an index of -1.
   for (int e = warp; e < E; e += kWarps) {
     int running = 0;
     for (int jb = 0; jb < n; jb += 32) {
       const int j = jb + lane;
-      int hit_k = -1;
+      int hits = 0;
       if (j < n)
+        for (int kk = 0; kk < K; ++kk) hits += row_experts[(row0 + j) * K + kk] == e;
+      int incl = hits;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int v = __shfl_up_sync(kFull, incl, o);
+        if (lane >= o) incl += v;
+      }
+      int p = running + incl - hits;
+      if (hits > 0)
         for (int kk = 0; kk < K; ++kk)
-          if (row_experts[(row0 + j) * K + kk] == e) hit_k = kk;
-      const unsigned bal = __ballot_sync(kFull, hit_k >= 0);
-      if (hit_k >= 0) expert_pos[(row0 + j) * K + hit_k] = running + __popc(bal & lanemask_lt());
-      running += __popc(bal);
+          if (row_experts[(row0 + j) * K + kk] == e) expert_pos[(row0 + j) * K + kk] = p++;
+      running += __shfl_sync(kFull, incl, 31);
     }
     if (lane == 0) cnt_ws[e * W + s] = running;
   }
@@ -739,8 +750,9 @@ void launch_dispatch_send(const KernelContext& k, const CallTicket* ticket, cons
 }
 
 void launch_wait_counts(const KernelContext& k, const CallTicket* ticket, int32_t* counts,
-                        uint64_t timeout_ns, cudaStream_t stream) {
-  wait_counts_kernel<<<1, kMaxWorld, 0, stream>>>(k, ticket, counts, timeout_ns);
+                        uint64_t timeout_ns, bool tolerate_aborts, cudaStream_t stream) {
+  wait_counts_kernel<<<1, kMaxWorld, 0, stream>>>(k, ticket, counts, timeout_ns,
+                                                  tolerate_aborts ? 1 : 0);
 }
 
 void launch_unpack_rows(const KernelContext& k, const CallTicket* ticket, bool wait,
@@ -748,7 +760,8 @@ void launch_unpack_rows(const KernelContext& k, const CallTicket* ticket, bool w
                         float* scales_out, int32_t* src_rank, int32_t* src_token, int32_t* topk_ids,
                         float* topk_weights, int32_t* expert_count, uint64_t timeout_ns,
                         cudaStream_t stream) {
-  cudaMemsetAsync(expert_count, 0, sizeof(int32_t) * k.num_local_experts, stream);
+  if (k.num_local_experts > 0)
+    cudaMemsetAsync(expert_count, 0, sizeof(int32_t) * k.num_local_experts, stream);
   const dim3 grid(static_cast<unsigned>(k.cfg.world), cdiv(k.cfg.max_tokens, kRowsPerBlock));
   PA2A_SWITCH_WIRE(k.cfg, unpack_rows_kernel<kDT, kFp8><<<grid, kThreads, 0, stream>>>(
                               k, ticket, wait ? 1 : 0, counts, row_base,
@@ -762,7 +775,8 @@ void launch_unpack_expert_major(const KernelContext& k, const CallTicket* ticket
                                 int64_t* layout_range, int32_t* expert_pos, int32_t* row_experts,
                                 float* row_weights, uint64_t timeout_ns, cudaStream_t stream) {
   const int64_t cap = static_cast<int64_t>(k.cfg.world) * k.cfg.max_tokens;
-  cudaMemsetAsync(src_info, 0xff, sizeof(int32_t) * cap * k.num_local_experts, stream);
+  if (k.num_local_experts > 0)
+    cudaMemsetAsync(src_info, 0xff, sizeof(int32_t) * cap * k.num_local_experts, stream);
   em_count_kernel<<<static_cast<unsigned>(k.cfg.world), kThreads, 0, stream>>>(
       k, ticket, recv_count, cnt_ws, expert_pos, row_experts, row_weights, timeout_ns);
   const dim3 grid(static_cast<unsigned>(k.cfg.world), cdiv(k.cfg.max_tokens, kRowsPerBlock));

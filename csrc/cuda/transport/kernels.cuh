@@ -68,8 +68,9 @@ void launch_count_destinations(const KernelContext& k, const int32_t* topk_ids, 
 void launch_publish_one(const KernelContext& k, uint32_t seq, uint32_t op, int32_t dest,
                         uint32_t count, cudaStream_t stream);
 
+// tolerate_aborts: this rank aborts the call and only waits for every flag to arrive.
 void launch_wait_counts(const KernelContext& k, const CallTicket* ticket, int32_t* counts,
-                        uint64_t timeout_ns, cudaStream_t stream);
+                        uint64_t timeout_ns, bool tolerate_aborts, cudaStream_t stream);
 
 // wait == true: the kernel acquires each source's flag itself and writes counts[s]
 // (low-latency); row_base may be null (row (s, j) -> s * max_tokens + j), and rows past
