@@ -307,7 +307,12 @@ class Buffer:
 
     # ---- lifecycle ---------------------------------------------------------------------
     def close(self) -> None:
-        """Releases the shared memory. Safe to call twice; later calls raise."""
+        """Releases the shared memory (and, on the CUDA backend, device memory and IPC
+        mappings). Safe to call twice; later calls raise.
+
+        Not collective: call it on every rank once every rank's last call has completed
+        (e.g. after a barrier). On the CUDA backend a rank that closes while a slower peer
+        is still pushing into its device segment frees memory that peer writes into."""
         if not self._closed:
             self._closed = True
             self._finalizer()
