@@ -3,6 +3,8 @@ input checks of the graph-capturable path (python/pcie_a2a/cuda_backend.py)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -78,3 +80,38 @@ def test_aligned_copies_only_misaligned_views():
     assert view.data_ptr() % 16
     fixed = _aligned(view)
     assert fixed.data_ptr() % 16 == 0 and torch.equal(fixed, view)
+
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures/topology"
+BUS8 = [f"0000:{b:02x}:00.0" for b in (0x01, 0x21, 0x41, 0x61, 0x81, 0xA1, 0xC1, 0xE1)]
+
+
+def test_topology_rank_plan_from_the_topology_file(monkeypatch):
+    from pcie_a2a.cuda_backend import topology_rank_plan
+
+    box = FIXTURES / "8x-rtx4090-dual-xeon-broadcom-pix.topo.txt"
+    monkeypatch.setenv("PCIE_A2A_TOPO_FILE", str(box))
+    rp, note = topology_rank_plan(BUS8)
+    assert rp is not None and note.startswith(f"topology plan from {box}")
+    assert rp.gpus == tuple(range(8)) and rp.staging_numa == (0, 0, 0, 0, 1, 1, 1, 1)
+    monkeypatch.setenv("PCIE_A2A_P2P", "0")  # the planner's options come from the env
+    rp, _ = topology_rank_plan(BUS8)
+    assert {rp.pair_transport[s][d] for s in range(8) for d in range(8) if s != d} == {"staged"}
+
+
+@pytest.mark.parametrize(
+    ("bus_ids", "topo_file", "why"),
+    [
+        ([BUS8[0], None], None, "does not report the devices' PCI addresses"),
+        (BUS8[:2], "8x-rtx4090-dual-xeon-broadcom-pix.topo.txt", "cannot tell which GPU"),
+        (BUS8, "README.md", "not a topology file"),
+        (BUS8, "no-such-file.txt", "No such file"),
+    ],
+)
+def test_topology_rank_plan_falls_back_saying_why(monkeypatch, bus_ids, topo_file, why):
+    from pcie_a2a.cuda_backend import topology_rank_plan
+
+    if topo_file:
+        monkeypatch.setenv("PCIE_A2A_TOPO_FILE", str(FIXTURES / topo_file))
+    rp, note = topology_rank_plan(bus_ids)
+    assert rp is None and why in note, note

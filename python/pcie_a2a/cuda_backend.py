@@ -101,6 +101,33 @@ def device_uuid(index: int) -> str:
     return f"pci:{pci}" if None not in pci else f"index:{index}"
 
 
+def device_bus_id(index: int) -> str | None:
+    """PCI address of CUDA device `index` ("0000:41:00.0"), or None if torch lacks it."""
+    props = torch.cuda.get_device_properties(index)
+    pci = [getattr(props, f, None) for f in ("pci_domain_id", "pci_bus_id", "pci_device_id")]
+    if None in pci:
+        return None
+    return f"{pci[0]:04x}:{pci[1]:02x}:{pci[2]:02x}.0"
+
+
+def topology_rank_plan(bus_ids: list[str | None]) -> tuple[Any, str]:
+    """The planner's decisions for these ranks (:class:`pcie_a2a.topology.ranks.RankPlan`)
+    from PCIE_A2A_TOPO_FILE or the live machine, and a line saying where they come from;
+    (None, why) when there is no usable topology (then CUDA peer access decides)."""
+    from pcie_a2a.topology import PlanOptions, TopologyError, plan
+    from pcie_a2a.topology.ranks import plan_ranks
+    from pcie_a2a.topology.sources import current_with_probe
+
+    if None in bus_ids:
+        return None, "no topology plan: torch does not report the devices' PCI addresses"
+    try:
+        topo, probe = current_with_probe()
+        rp = plan_ranks(topo, plan(topo, options=PlanOptions.from_env(probe=probe)), bus_ids)
+    except (TopologyError, ValueError, OSError) as exc:
+        return None, f"no topology plan ({exc}); pairs follow CUDA peer access"
+    return rp, f"topology plan from {topo.source}, ranks matched {rp.how}"
+
+
 def outgoing_pairs(
     rank: int,
     uuids: list[str],
@@ -148,7 +175,13 @@ class CudaTransport:
         send_order: optional ``[world][world]`` destination order per sender; default
             ``rank + 1, rank + 2, ..., rank`` (ranks do not all start at rank 0).
         staging_numa: optional NUMA node of this rank's host staging memory (default:
-            first-touch by this process).
+            the topology plan's node for this receiver, else first touch).
+
+    Without ``pair_transport``/``send_order``/``staging_numa``, rank 0 plans the pairs
+    with the topology planner (PCIE_A2A_TOPO_FILE or the live machine, ranks matched to
+    GPUs by PCI address; :mod:`pcie_a2a.topology.ranks`) and every rank uses that plan;
+    a pair is P2P only if the plan and CUDA peer access both allow it. ``topology_note``
+    says where the plan came from.
         copy_engine_min_bytes: normal-mode pairs moving at least this many bytes use the
             copy engine (``cudaMemcpyAsync``), the rest warp stores; None disables it.
             Default: PCIE_A2A_COPY_ENGINE_MIN_BYTES (256 KiB). Low-latency calls always
@@ -204,28 +237,43 @@ class CudaTransport:
         self._counts = torch.zeros(world, dtype=torch.int32, device=self.device)
 
         uid = f"{os.getpid()}_{secrets.token_hex(6)}"
-        gathered = self._gather((device_uuid(self.device.index), uid))
+        idx = self.device.index
+        gathered = self._gather((device_uuid(idx), device_bus_id(idx), uid))
         uuids = [g[0] for g in gathered]
-        prefix = f"pcie_a2a.{gathered[0][1]}"
+        prefix = f"pcie_a2a.{gathered[0][2]}"
         names = [mod.CudaTransport.segment_name(prefix, r) for r in range(world)]
+        # The topology planner decides P2P vs staged, the send order and the staging node
+        # (rank 0 plans, everyone uses its plan); CUDA peer access has the last word.
+        self.topology_plan, self.topology_note = None, "explicit plan"
+        if pair_transport is None or send_order is None or staging_numa is None:
+            mine = topology_rank_plan([g[1] for g in gathered]) if rank == 0 else None
+            self.topology_plan, self.topology_note = self._gather(mine)[0]
+        rp = self.topology_plan
         if pair_transport is None:
             # Each sender decides its own row (only it can ask CUDA about its peers);
             # every rank then uses the same gathered plan.
             visible = [device_uuid(i) for i in range(torch.cuda.device_count())]
-            plan = self._gather(
-                outgoing_pairs(rank, uuids, env.p2p(), visible, torch.cuda.can_device_access_peer)
-            )
+            row = outgoing_pairs(rank, uuids, env.p2p(), visible, torch.cuda.can_device_access_peer)
+            if rp is not None:
+                row = [
+                    P2P if row[d] == P2P and rp.pair_transport[rank][d] == "p2p" else STAGED
+                    for d in range(world)
+                ]
+            plan = self._gather(row)
         else:
             code = {"p2p": P2P, "staged": STAGED, P2P: P2P, STAGED: STAGED}
             plan = [[code[v] for v in row] for row in pair_transport]
         for s in range(world):
             plan[s][s] = P2P
         self.pair_transport = plan
-        self.send_order = (
-            [list(o) for o in send_order]
-            if send_order is not None
-            else [[(s + i) % world for i in range(1, world + 1)] for s in range(world)]
-        )
+        if send_order is not None:
+            self.send_order = [list(o) for o in send_order]
+        elif rp is not None:
+            self.send_order = [list(o) for o in rp.send_order]
+        else:
+            self.send_order = [[(s + i) % world for i in range(1, world + 1)] for s in range(world)]
+        if staging_numa is None and rp is not None:
+            staging_numa = rp.staging_numa[rank]
         need_host = any(plan[s][rank] == STAGED for s in range(world) if s != rank)
 
         self._finalizer = weakref.finalize(self, _release, None, names)

@@ -1,0 +1,98 @@
+"""From the planner's per-GPU plan to what the CUDA transport of each rank needs.
+
+The planner (:mod:`.planner`) speaks of topology GPUs; a transport speaks of ranks, which
+are processes, each on one CUDA device, several possibly on one GPU. This module maps one
+to the other and returns, per rank pair, P2P or staged; per sender, the destinations in
+the planner's round order; per receiver, the NUMA node of its staging memory.
+
+Which GPU a rank is on: by PCI bus id when the topology has bus ids (live discovery,
+NCCL XML, our JSON); otherwise (``nvidia-smi topo -m`` text names GPUs only by nvidia-smi
+index, which enumerates in PCI bus order) the i-th smallest bus id among the ranks' GPUs
+is GPU i, which holds when the ranks use every GPU of the box. Anything else gives no
+mapping: the caller keeps its default plan and says why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .model import Topology
+from .planner import P2P, Plan
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    gpus: tuple[int, ...]  # topology GPU of each rank
+    pair_transport: tuple[tuple[str, ...], ...]  # [src][dst]: "p2p" or "staged"
+    send_order: tuple[tuple[int, ...], ...]  # per sender: every rank once, itself last
+    staging_numa: tuple[int | None, ...]  # per receiver: NUMA node of its staging memory
+    how: str  # how ranks were matched to GPUs (for logs)
+
+
+def normalise_bus_id(bus_id: str) -> str:
+    """``0000:41:00.0`` form, lower case (torch and NVML print 8-digit domains)."""
+    text = bus_id.strip().lower()
+    parts = text.split(":")
+    if len(parts) == 3:
+        domain = parts[0][-4:].rjust(4, "0")
+        return f"{domain}:{parts[1]}:{parts[2]}"
+    if len(parts) == 2:
+        return f"0000:{parts[0]}:{parts[1]}"
+    return text
+
+
+def match_ranks(topology: Topology, rank_bus_ids: Sequence[str]) -> tuple[list[int], str]:
+    """Topology GPU of each rank, and how they were matched. Raises ValueError saying why
+    when they cannot be."""
+    ids = [normalise_bus_id(b) for b in rank_bus_ids]
+    by_bus = {normalise_bus_id(g.bus_id): g.index for g in topology.gpus if g.bus_id}
+    if by_bus:
+        missing = sorted({b for b in ids if b not in by_bus})
+        if missing:
+            raise ValueError(
+                f"GPUs {', '.join(missing)} of the ranks are not in the topology "
+                f"({topology.source}: {', '.join(sorted(by_bus))})"
+            )
+        return [by_bus[b] for b in ids], "by PCI bus id"
+    distinct = sorted(set(ids))
+    if len(distinct) != topology.num_gpus:
+        raise ValueError(
+            f"{topology.source} names GPUs by index only and has {topology.num_gpus}, but the "
+            f"ranks use {len(distinct)}: cannot tell which GPU each rank is on"
+        )
+    order = {b: i for i, b in enumerate(distinct)}
+    return [order[b] for b in ids], "by PCI bus order (nvidia-smi index)"
+
+
+def _rank_order(rank: int, gpus: list[int], plan: Plan) -> tuple[int, ...] | None:
+    """The planner's rounds as rank destinations when ranks and GPUs are one to one."""
+    if len(set(gpus)) != len(gpus) or len(gpus) != plan.num_gpus:
+        return None
+    rank_of = {g: r for r, g in enumerate(gpus)}
+    return (*(rank_of[rnd[gpus[rank]]] for rnd in plan.rounds), rank)
+
+
+def plan_ranks(topology: Topology, plan: Plan, rank_bus_ids: Sequence[str]) -> RankPlan:
+    """The transport plan of every rank (see the module comment). Ranks on one GPU reach
+    each other through CUDA IPC on that device (P2P). The send order follows the
+    planner's rounds when every rank has its own GPU of the topology, else the default
+    ``rank + 1, rank + 2, ..., rank``."""
+    if plan.num_gpus != topology.num_gpus:
+        raise ValueError(
+            f"the plan has {plan.num_gpus} GPUs, the topology {topology.num_gpus}: "
+            "plan this topology"
+        )
+    gpus, how = match_ranks(topology, rank_bus_ids)
+    world = len(gpus)
+    pairs = tuple(
+        tuple(
+            P2P if gpus[s] == gpus[d] else plan.pair(gpus[s], gpus[d]).transport
+            for d in range(world)
+        )
+        for s in range(world)
+    )
+    default = [tuple((s + i) % world for i in range(1, world + 1)) for s in range(world)]
+    orders = tuple(_rank_order(s, gpus, plan) or default[s] for s in range(world))
+    numa = tuple(topology.gpus[g].numa_node for g in gpus)
+    return RankPlan(tuple(gpus), pairs, orders, numa, how)
