@@ -36,7 +36,7 @@ def files() -> dict[str, str]:
             sig = SIG.format(t=ctype, m=m)
             out[f"moe_int4_gemm_{name}_m{m}.cu"] = (
                 HEADER
-                + '#include "cuda/moe_int4/gemm_kernel.cuh"\n\n'
+                + '#include "cuda/moe_int4/gemm_launch.cuh"\n\n'
                 + "namespace pa2a::moe_int4 {\n"
                 + f"template {sig}\n"
                 + "}  // namespace pa2a::moe_int4\n"

@@ -1,6 +1,6 @@
 """A line-by-line CPU emulation of the CUDA kernel's data flow (no GPU here to run it).
 
-Mirrors csrc/cuda/moe_int4/{moe_int4.cu, gemm_kernel.cuh}: the schedule kernels, the
+Mirrors csrc/cuda/moe_int4/{schedule.cuh, gemm_kernel.cuh}: the schedule kernels, the
 per-item row metadata, load_stage's global -> shared offsets (activations with zero fill
 and the act-order gather, the 2048-byte weight rows, the <= 2 scale/zero rows), the lane
 decode of compute_stage (shift/mask pairs, magic-free integer values, (q - z) * s rounded
@@ -357,10 +357,12 @@ def test_emulated_kernel_rows(fmt, group_size, dtype, bm):
         h, i = 256, 256  # act-order needs full groups; several groups so perms are not trivial
     ex = make(fmt, group_size, dtype, e, h, i, seed=1)
     g = torch.Generator().manual_seed(2)
-    r = 7
+    # 21 rows: experts 0 and 2 get 9 and 12 rows, so mma rows 8..15 of a tile carry data
+    # (with <= 8 rows per tile, a mistake in the g+8 half of the fragments goes unseen).
+    r = 21
     x = torch.randn(r, h, generator=g).to(dtype)
     ids = torch.tensor(
-        [[0, 2], [1, -1], [-1, -1], [2, 0], [2, 1], [0, -1], [2, -1]], dtype=torch.int32
+        [[0, 2], [1, -1], [-1, -1], [2, 0], [2, 1], [0, -1], [2, -1]] * 3, dtype=torch.int32
     )
     wts = torch.rand(r, 2, generator=g) * (ids >= 0)
     if fmt == "gptq-act":

@@ -10,7 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pcie_a2a.quant import PackedInt4Experts, random_int4
 from pcie_a2a.quant import layout as L
+from pcie_a2a.quant import moe as M
 
 mi = pytest.importorskip("pcie_a2a._moe_int4", reason="pcie_a2a._moe_int4 is not built")
 
@@ -96,6 +98,8 @@ def _args(**kw):
         (dict(num_experts=2000), r"num_experts=2000; allowed: 1..1024"),
         (dict(hidden=100), r"hidden=100; allowed: a positive multiple of 8"),
         (dict(x=4100), r"x=0x1004 is not 16-byte aligned"),
+        (dict(topk_ids=4098), r"topk_ids=0x1002 is not 4-byte aligned"),
+        (dict(topk_weights=0), r"topk_weights is null"),
         (dict(w13_group=16), r"w13_qweight group=16; allowed: 32, 64, 128, or k_pad"),
         (dict(w2_n_pad=300), r"w2_qweight n_pad=300; allowed: a positive multiple of 256"),
         (dict(w13_num_groups=4), r"num_groups=4 with k_pad=256 group=32"),
@@ -119,3 +123,37 @@ def test_smem_fits_99kb_parts():
     # block. The decode tile must fit twice per SM there.
     assert mi.gemm_smem_bytes(64) <= 101376
     assert 2 * (mi.gemm_smem_bytes(16) + 1024) <= 102400
+
+
+@pytest.mark.parametrize("expert_major", [False, True])
+def test_launch_fields_are_binding_args(expert_major):
+    """moe._launch_fields (what _run_cuda passes) names only fields of the binding's Args,
+    with values its setters accept; the GPU path cannot run here, so check it this way."""
+    g = torch.Generator().manual_seed(0)
+    kw = dict(group_size=32, scale_dtype=torch.bfloat16, generator=g)
+    parts = [random_int4(2, n, k, **kw) for n, k in ((64, 128), (64, 128), (128, 64))]
+    ex = PackedInt4Experts.from_weights(*parts, torch.bfloat16)
+    if expert_major:
+        x = torch.zeros(2, 3, 128, dtype=torch.bfloat16)
+        io = dict(topk_ids=None, topk_weights=None, counts=torch.zeros(2, dtype=torch.int32))
+    else:
+        x = torch.zeros(5, 128, dtype=torch.bfloat16)
+        ids = torch.zeros(5, 2, dtype=torch.int32)
+        io = dict(topk_ids=ids, topk_weights=torch.zeros(5, 2), counts=None)
+    fields = M._launch_fields(
+        x,
+        torch.empty_like(x),
+        ex.w13,
+        ex.w2,
+        expert_major=expert_major,
+        block_m=None,
+        num_sms=4,
+        empty=lambda *s, dtype: torch.empty(*s, dtype=dtype),
+        zeros=lambda *s, dtype: torch.zeros(*s, dtype=dtype),
+        **io,
+    )
+    a = mi.Args()
+    for name, v in fields.items():
+        assert hasattr(a, name), name
+        setattr(a, name, v.data_ptr() if isinstance(v, torch.Tensor) else (v or 0))
+    assert a.expert_major is expert_major and a.block_m == 16 and a.h_stride == 128

@@ -24,6 +24,10 @@
 // 16: two CTAs per 100 KB SM of sm_86/89/120) and 77824 (kBlockM 64), inside the 99 KB
 // per-block opt-in of sm_86/89/120 and far inside sm_80/90/100; moe_int4_run checks it
 // against the device.
+//
+// The PTX lives in device_ops.cuh and the launch in gemm_launch.cuh, so this file is plain
+// C++ over a few primitives: tests/test_quant_kernel_source_emulation.py compiles it (and
+// schedule.cuh) for the host and runs it against the Python packer and reference.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -31,8 +35,9 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstring>
 
-#include "core/exception.h"
+#include "cuda/moe_int4/device_ops.cuh"
 #include "cuda/moe_int4/layout.h"
 #include "cuda/moe_int4/moe_int4.cuh"
 
@@ -98,53 +103,6 @@ __device__ __forceinline__ uint32_t as_u32(T2 v) {
   uint32_t u;
   memcpy(&u, &v, 4);
   return u;
-}
-
-// (a & b) | c in one LOP3 (nvcc does not always fuse it): immLut 0xEA = (F0 & CC) | AA.
-__device__ __forceinline__ uint32_t lop3_and_or(uint32_t a, uint32_t b, uint32_t c) {
-  uint32_t d;
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-  return d;
-}
-
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool pred) {
-  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  const int src_bytes = pred ? 16 : 0;  // 0: fill the 16 bytes with zeros, read nothing
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem),
-               "r"(src_bytes));
-}
-
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;\n" ::);
-}
-
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
-}
-
-template <typename T>
-__device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                          uint32_t b1);
-
-template <>
-__device__ __forceinline__ void mma_16816<__nv_bfloat16>(float (&c)[4], const uint32_t (&a)[4],
-                                                         uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-template <>
-__device__ __forceinline__ void mma_16816<__half>(float (&c)[4], const uint32_t (&a)[4],
-                                                  uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 __device__ __forceinline__ float silu(float v) {
@@ -331,11 +289,16 @@ struct GemmCta {
     __syncthreads();
     int last = 0;
     if (threadIdx.x == 0) {
-      __threadfence();
+      __threadfence();  // with the ticket RMW: release of this CTA's partials
       last = atomicAdd(p.split_cnt + base, 1) == splits - 1;
+      // The PTX memory model's acquire pattern is a strong read followed by a fence *in the
+      // same thread*: only then does the barrier below order the other parts' partials
+      // before this CTA's reads (a fence in the other threads after the barrier alone is
+      // not that pattern).
+      __threadfence();
     }
     if (!__syncthreads_or(last)) return false;
-    __threadfence();  // acquire: every part's partials are visible (read from L2 below)
+    __threadfence();  // every thread: its reads below come after the acquire
 #pragma unroll
     for (int mb = 0; mb < kMBlocks; ++mb)
 #pragma unroll
@@ -407,8 +370,7 @@ struct GemmCta {
 
 template <typename T, int kBlockM>
 __global__ void __launch_bounds__(kThreads) moe_int4_gemm_kernel(const GemmParams p) {
-  extern __shared__ __align__(16) unsigned char smem[];
-  GemmCta<T, kBlockM> cta(p, smem);
+  GemmCta<T, kBlockM> cta(p, dynamic_smem());
   constexpr int kM = GemmCta<T, kBlockM>::kMBlocks;
   const int64_t tiles = min(static_cast<int64_t>(*p.num_tiles), p.max_tiles);
   const int n_blocks = p.n_pad / kBlockN;
@@ -469,28 +431,14 @@ __global__ void __launch_bounds__(kThreads) moe_int4_gemm_kernel(const GemmParam
   }
 }
 
-template <typename T, int kBlockM>
-void launch_gemm(const GemmParams& p, int num_sms, cudaStream_t stream) {
-  constexpr int smem = SmemLayout<kBlockM>::kBytes;
-  auto kernel = moe_int4_gemm_kernel<T, kBlockM>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  if (err != cudaSuccess)
-    PA2A_THROW(kRuntime, "moe_int4: cannot set ", smem,
-               " bytes of shared memory: ", cudaGetErrorString(err));
-  int per_sm = 0;
-  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem);
-  if (err != cudaSuccess || per_sm < 1) per_sm = 1;
-  // Persistent grid: every CTA slot of the device, unless even with split-K there is less
-  // work than that (the item bound is known on the host; the actual count is not).
+// Persistent grid of one launch: every CTA slot of the device (per_sm from the occupancy
+// API), unless even with split-K there is less work than that (the item bound is known on
+// the host; the actual count is not). Shared with the host emulation test.
+inline int64_t gemm_grid(const GemmParams& p, int num_sms, int per_sm) {
   const int64_t items = p.max_tiles * (p.n_pad / kBlockN) * (p.max_splits > 1 ? p.max_splits : 1);
-  int64_t grid = static_cast<int64_t>(num_sms) * per_sm;
+  int64_t grid = static_cast<int64_t>(num_sms) * (per_sm < 1 ? 1 : per_sm);
   if (items < grid) grid = items;
-  if (grid < 1) grid = 1;
-  kernel<<<static_cast<unsigned>(grid), kThreads, smem, stream>>>(p);
-  err = cudaGetLastError();
-  if (err != cudaSuccess)
-    PA2A_THROW(kRuntime, "moe_int4 GEMM launch failed: ", cudaGetErrorName(err), ": ",
-               cudaGetErrorString(err));
+  return grid < 1 ? 1 : grid;
 }
 
 }  // namespace pa2a::moe_int4

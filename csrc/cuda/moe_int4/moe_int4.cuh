@@ -115,4 +115,67 @@ struct GemmParams {
 template <typename T, int kBlockM>
 void launch_gemm(const GemmParams& p, int num_sms, cudaStream_t stream);
 
+// The parameters of the two GEMM launches of moe_int4_run (pure; the host emulation test
+// builds them with the same functions).
+inline GemmParams gate_up_params(const MoeInt4Args& a) {
+  GemmParams g1;
+  g1.a = reinterpret_cast<const void*>(a.x);
+  g1.lda = a.hidden;
+  g1.a_cols = a.hidden;
+  g1.a_perm = reinterpret_cast<const int32_t*>(a.x_perm);
+  g1.a_gather = true;
+  g1.qweight = reinterpret_cast<const int32_t*>(a.w13_qweight);
+  g1.scales = reinterpret_cast<const void*>(a.w13_scales);
+  g1.zeros = reinterpret_cast<const void*>(a.w13_zeros);
+  g1.n_pad = a.w13_n_pad;
+  g1.k_pad = a.w13_k_pad;
+  g1.group = a.w13_group;
+  g1.num_groups = a.w13_num_groups;
+  g1.n_valid = a.w13_n_pad;
+  g1.pair_src = reinterpret_cast<const int32_t*>(a.pair_src);
+  g1.pair_w = reinterpret_cast<const float*>(a.pair_w);
+  g1.tiles = reinterpret_cast<const int32_t*>(a.tiles);
+  g1.num_tiles = reinterpret_cast<const int32_t*>(a.status);
+  g1.max_tiles = a.max_tiles;
+  g1.epilogue = Epilogue::kSiluMulStore;
+  g1.out = reinterpret_cast<void*>(a.h);
+  g1.ldo = a.h_stride;
+  g1.out_perm = reinterpret_cast<const int32_t*>(a.h_perm);
+  g1.max_splits = a.max_splits;
+  g1.split_ws = reinterpret_cast<float*>(a.split_ws);
+  g1.split_cnt = reinterpret_cast<int32_t*>(a.split_cnt);
+  g1.ws_items = a.split_ws != 0 ? a.ws_items : 0;
+  return g1;
+}
+
+inline GemmParams down_params(const MoeInt4Args& a) {
+  GemmParams g2 = gate_up_params(a);
+  g2.a = reinterpret_cast<const void*>(a.h);
+  g2.lda = a.h_stride;
+  g2.a_cols = a.w2_k_pad;
+  g2.a_perm = nullptr;
+  g2.a_gather = false;
+  g2.qweight = reinterpret_cast<const int32_t*>(a.w2_qweight);
+  g2.scales = reinterpret_cast<const void*>(a.w2_scales);
+  g2.zeros = reinterpret_cast<const void*>(a.w2_zeros);
+  g2.n_pad = a.w2_n_pad;
+  g2.k_pad = a.w2_k_pad;
+  g2.group = a.w2_group;
+  g2.num_groups = a.w2_num_groups;
+  g2.n_valid = a.hidden;
+  g2.ldo = a.hidden;
+  g2.out_perm = nullptr;
+  g2.split_ws = nullptr;  // the down GEMM's parts red.add into the fp32 row accumulator
+  g2.split_cnt = nullptr;
+  g2.ws_items = 0;
+  if (a.expert_major) {
+    g2.epilogue = Epilogue::kStore;
+    g2.out = reinterpret_cast<void*>(a.out);
+  } else {
+    g2.epilogue = Epilogue::kWeightedAtomic;
+    g2.out = reinterpret_cast<void*>(a.acc);
+  }
+  return g2;
+}
+
 }  // namespace pa2a::moe_int4

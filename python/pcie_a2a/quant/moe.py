@@ -142,14 +142,112 @@ def choose_block_m(pairs_upper_bound: int, num_experts: int) -> int:
     return 16 if pairs_upper_bound <= 16 * max(1, num_experts) else 64
 
 
-def _fill_weight(a, prefix: str, w: PackedInt4Weight) -> None:
-    setattr(a, f"{prefix}_qweight", w.qweight.data_ptr())
-    setattr(a, f"{prefix}_scales", w.scales.data_ptr())
-    setattr(a, f"{prefix}_zeros", 0 if w.zeros is None else w.zeros.data_ptr())
-    setattr(a, f"{prefix}_n_pad", w.n_pad)
-    setattr(a, f"{prefix}_k_pad", w.k_pad)
-    setattr(a, f"{prefix}_group", w.group_size_eff)
-    setattr(a, f"{prefix}_num_groups", w.num_groups)
+def _weight_fields(prefix: str, w: PackedInt4Weight) -> dict:
+    return {
+        f"{prefix}_qweight": w.qweight,
+        f"{prefix}_scales": w.scales,
+        f"{prefix}_zeros": w.zeros,
+        f"{prefix}_n_pad": w.n_pad,
+        f"{prefix}_k_pad": w.k_pad,
+        f"{prefix}_group": w.group_size_eff,
+        f"{prefix}_num_groups": w.num_groups,
+    }
+
+
+def _launch_fields(
+    x: torch.Tensor,
+    out: torch.Tensor,
+    w13: PackedInt4Weight,
+    w2: PackedInt4Weight,
+    *,
+    expert_major: bool,
+    topk_ids: torch.Tensor | None,
+    topk_weights: torch.Tensor | None,
+    counts: torch.Tensor | None,
+    block_m: int | None,
+    num_sms: int,
+    empty,
+    zeros,
+) -> dict:
+    """Every field of ``pcie_a2a._moe_int4.Args`` but ``device`` and ``stream``.
+
+    Values are ints, or tensors standing for their ``data_ptr()`` (``None`` for 0).
+    Scratch comes from ``empty(*shape, dtype=...)`` / ``zeros(...)`` on the target
+    device. The CUDA path and the host emulation of the kernel source
+    (tests/test_quant_kernel_source_emulation.py) both build their arguments here, so the
+    emulation runs with exactly the sizes the GPU gets.
+    """
+    e = w13.num_experts
+    h = w13.k
+    if expert_major:
+        cap = x.shape[1]
+        pairs = e * cap
+    else:
+        r, topk = topk_ids.shape
+        pairs = r * topk
+    bm = block_m if block_m is not None else choose_block_m(pairs, e)
+    if bm not in BLOCK_M_CHOICES:
+        raise ValueError(f"block_m={bm} is not supported; supported: {BLOCK_M_CHOICES}")
+    max_tiles = e + pairs // bm + 1  # >= sum_e ceil(count_e / bm) for any counts
+    h_stride = w13.n_pad // 2
+    h_perm = w2.k_perm_inv
+    if h_perm is not None and h_perm.shape[1] != h_stride:
+        raise ValueError(f"w2.k_perm_inv has {h_perm.shape[1]} columns; h has {h_stride}")
+    i32 = torch.int32
+    f = dict(
+        dtype=0 if x.dtype == torch.bfloat16 else 1,
+        expert_major=expert_major,
+        x=x,
+        hidden=h,
+        num_experts=e,
+        out=out,
+        **_weight_fields("w13", w13),
+        **_weight_fields("w2", w2),
+        x_perm=w13.k_perm,
+        h_perm=h_perm,
+        h_stride=h_stride,
+        pair_src=empty(max(pairs, 1), dtype=i32),
+        pair_w=empty(max(pairs, 1), dtype=torch.float32),
+        tiles=empty(max_tiles * 4, dtype=i32),
+        status=zeros(4, dtype=i32),
+        h=empty(max(pairs, 1), h_stride, dtype=x.dtype),
+        max_splits=MAX_SPLITS,
+        max_pairs=pairs,
+        max_tiles=max_tiles,
+        block_m=bm,
+    )
+    if expert_major:
+        f.update(num_rows=e * x.shape[1], capacity=x.shape[1], counts=counts)
+    else:
+        f.update(
+            num_rows=x.shape[0],
+            num_topk=topk_ids.shape[1],
+            topk_ids=topk_ids,
+            topk_weights=topk_weights,
+            acc=empty(x.shape[0], h, dtype=torch.float32),
+        )
+    if bm == 16:
+        # Split-K workspace of the gate/up GEMM: one slot per possible split item. The
+        # kernel splits only when items < CTAs <= 4 * SMs, i.e. items <= 2 * SMs: size it
+        # from the grid, not from the tokens. It is left zeroed by the kernel.
+        ws_items = 2 * num_sms
+        f.update(
+            split_ws=zeros(ws_items * bm * 256, dtype=torch.float32),
+            split_cnt=zeros(ws_items, dtype=i32),
+            ws_items=ws_items,
+        )
+    return f
+
+
+def _check_devices(dev: torch.device, tensors: dict) -> None:
+    """Every tensor the kernel dereferences must be a dense tensor on ``dev``."""
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            continue
+        if t.device != dev:
+            raise ValueError(f"{name} is on {t.device}, activations on {dev}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (the kernel assumes dense strides)")
 
 
 def _run_cuda(
@@ -166,74 +264,25 @@ def _run_cuda(
 ) -> None:
     mod = _native()
     dev = x.device
-    for name, w in (("w13", w13), ("w2", w2)):
-        if w.qweight.device != dev:
-            raise ValueError(f"{name} is on {w.qweight.device}, activations on {dev}")
-    e = w13.num_experts
-    h = w13.k
-    if expert_major:
-        cap = x.shape[1]
-        pairs = e * cap
-    else:
-        r, topk = topk_ids.shape
-        pairs = r * topk
-    bm = block_m if block_m is not None else choose_block_m(pairs, e)
-    if bm not in BLOCK_M_CHOICES:
-        raise ValueError(f"block_m={bm} is not supported; supported: {BLOCK_M_CHOICES}")
-    max_tiles = e + pairs // bm + 1  # >= sum_e ceil(count_e / bm) for any counts
-    h_stride = w13.n_pad // 2
-    i32 = dict(dtype=torch.int32, device=dev)
-    pair_src = torch.empty(max(pairs, 1), **i32)
-    pair_w = torch.empty(max(pairs, 1), dtype=torch.float32, device=dev)
-    tiles = torch.empty(max_tiles * 4, **i32)
-    status = torch.zeros(4, **i32)
-    hbuf = torch.empty(max(pairs, 1), h_stride, dtype=x.dtype, device=dev)
-    acc = None if expert_major else torch.empty(x.shape[0], h, dtype=torch.float32, device=dev)
-    h_perm = w2.k_perm_inv
-    if h_perm is not None and h_perm.shape[1] != h_stride:
-        raise ValueError(f"w2.k_perm_inv has {h_perm.shape[1]} columns; h has {h_stride}")
-
+    fields = _launch_fields(
+        x,
+        out,
+        w13,
+        w2,
+        expert_major=expert_major,
+        topk_ids=topk_ids,
+        topk_weights=topk_weights,
+        counts=counts,
+        block_m=block_m,
+        num_sms=torch.cuda.get_device_properties(dev).multi_processor_count,
+        empty=lambda *shape, dtype: torch.empty(*shape, dtype=dtype, device=dev),
+        zeros=lambda *shape, dtype: torch.zeros(*shape, dtype=dtype, device=dev),
+    )
+    # Host pointers (e.g. routing left on the CPU) would be dereferenced by the kernel.
+    _check_devices(dev, fields)
     a = mod.Args()
-    a.dtype = 0 if x.dtype == torch.bfloat16 else 1
-    a.expert_major = expert_major
-    a.x = x.data_ptr()
-    a.hidden = h
-    a.num_experts = e
-    a.out = out.data_ptr()
-    if expert_major:
-        a.num_rows = e * x.shape[1]
-        a.capacity = x.shape[1]
-        a.counts = counts.data_ptr()
-    else:
-        a.num_rows = x.shape[0]
-        a.num_topk = topk_ids.shape[1]
-        a.topk_ids = topk_ids.data_ptr()
-        a.topk_weights = topk_weights.data_ptr()
-        a.acc = acc.data_ptr()
-    _fill_weight(a, "w13", w13)
-    _fill_weight(a, "w2", w2)
-    a.x_perm = 0 if w13.k_perm is None else w13.k_perm.data_ptr()
-    a.h_perm = 0 if h_perm is None else h_perm.data_ptr()
-    a.h_stride = h_stride
-    a.pair_src = pair_src.data_ptr()
-    a.pair_w = pair_w.data_ptr()
-    a.tiles = tiles.data_ptr()
-    a.status = status.data_ptr()
-    a.h = hbuf.data_ptr()
-    a.max_splits = MAX_SPLITS
-    if bm == 16:
-        # Split-K workspace of the gate/up GEMM: one slot per possible split item. The
-        # kernel splits only when items < CTAs <= 4 * SMs, i.e. items <= 2 * SMs: size it
-        # from the grid, not from the tokens. It is left zeroed by the kernel.
-        ws_items = 2 * torch.cuda.get_device_properties(dev).multi_processor_count
-        split_ws = torch.zeros(ws_items * bm * 256, dtype=torch.float32, device=dev)
-        split_cnt = torch.zeros(ws_items, **i32)
-        a.split_ws = split_ws.data_ptr()
-        a.split_cnt = split_cnt.data_ptr()
-        a.ws_items = ws_items
-    a.max_pairs = pairs
-    a.max_tiles = max_tiles
-    a.block_m = bm
+    for name, v in fields.items():
+        setattr(a, name, v.data_ptr() if isinstance(v, torch.Tensor) else (v or 0))
     a.device = dev.index if dev.index is not None else torch.cuda.current_device()
     a.stream = torch.cuda.current_stream(dev).cuda_stream
     mod.run(a)

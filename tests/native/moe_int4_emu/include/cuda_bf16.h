@@ -1,0 +1,3 @@
+// Host emulation stand-in for <cuda_bf16.h>: see emu_cuda.h.
+#pragma once
+#include "emu_cuda.h"

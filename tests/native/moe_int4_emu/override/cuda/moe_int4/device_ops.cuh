@@ -1,0 +1,110 @@
+// Host stand-in for csrc/cuda/moe_int4/device_ops.cuh (same functions, same signatures),
+// found first through -iquote by the emulation build. Semantics: see emu_cuda.h.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "emu_cuda.h"
+
+namespace pa2a::moe_int4 {
+
+inline unsigned char* dynamic_smem() {
+  return emu::rt.smem;
+}
+
+inline uint32_t lop3_and_or(uint32_t a, uint32_t b, uint32_t c) {
+  return (a & b) | c;
+}
+
+inline void cp_async16(void* smem, const void* gmem, bool pred) {
+  if (reinterpret_cast<uintptr_t>(smem) % 16 || reinterpret_cast<uintptr_t>(gmem) % 16)
+    emu::fail("cp.async with a source or destination that is not 16-byte aligned");
+  emu::check_smem(smem, 16, "cp.async destination");
+  if (pred) emu::check_global(gmem, 16, "cp.async source");
+  std::memset(smem, 0xFF, 16);  // what a reader sees before the copy lands
+  emu::self().open.push_back(emu::Copy{smem, gmem, pred});
+}
+
+inline void cp_async_commit() {
+  emu::Fiber& f = emu::self();
+  f.inflight.push_back(std::move(f.open));
+  f.open.clear();
+}
+
+template <int kPending>
+inline void cp_async_wait() {
+  emu::Fiber& f = emu::self();
+  while (f.inflight.size() > static_cast<size_t>(kPending)) {
+    emu::complete(f.inflight.front());
+    f.inflight.pop_front();
+  }
+}
+
+namespace emu_detail {
+
+inline float element(const __nv_bfloat16*, uint32_t bits16) {
+  return emu::bf16_to_float(static_cast<uint16_t>(bits16));
+}
+inline float element(const __half*, uint32_t bits16) {
+  return emu::half_to_float(static_cast<uint16_t>(bits16));
+}
+
+}  // namespace emu_detail
+
+// mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32, from the PTX ISA
+// fragment tables ("Matrix Fragments for mma.m16n8k16 with floating point type"):
+//   A a0..a7 (regs a[0..3], element i in register i/2, low half first):
+//     row = groupID for i in {0,1,4,5}, groupID + 8 otherwise;
+//     col = threadID_in_group * 2 + (i & 1) (+ 8 for i >= 4)
+//   B b0..b3 (regs b0, b1): row(k) = threadID_in_group * 2 + (i & 1) (+ 8 for i >= 2),
+//     col(n) = groupID
+//   C/D c0..c3: row = groupID (+ 8 for i >= 2), col = threadID_in_group * 2 + (i & 1)
+// groupID = lane / 4, threadID_in_group = lane % 4.
+template <typename T>
+inline void mma_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  emu::Fiber& f = emu::self();
+  emu::MmaSlot& mine = emu::rt.mma[warp][f.mma_parity][lane];
+  std::memcpy(mine.a, a, sizeof mine.a);
+  mine.b[0] = b0;
+  mine.b[1] = b1;
+  // Two slot sets alternate: a lane can overwrite this set only after the next mma's
+  // barrier, which every lane reaches only after reading this one.
+  emu::barrier(emu::rt.warp_count[warp], emu::rt.warp_gen[warp], 32);
+  const int parity = f.mma_parity;
+  f.mma_parity ^= 1;
+  // The first lane through decodes the warp's operands for everyone (same barrier epoch).
+  emu::MmaOperands& op = emu::rt.mma_ops[warp][parity];
+  if (op.epoch != emu::rt.warp_gen[warp]) {
+    op.epoch = emu::rt.warp_gen[warp];
+    const emu::MmaSlot* s = emu::rt.mma[warp][parity];
+    for (int l = 0; l < 32; ++l) {
+      const int gid = l / 4, tig = l % 4;
+      for (int i = 0; i < 8; ++i) {
+        const uint32_t reg = s[l].a[i / 2];
+        const int row = gid + (((i / 2) % 2) ? 8 : 0);
+        const int col = tig * 2 + (i & 1) + (i >= 4 ? 8 : 0);
+        op.a[row][col] = emu_detail::element(static_cast<const T*>(nullptr),
+                                             (i & 1) ? reg >> 16 : reg & 0xFFFFu);
+      }
+      for (int i = 0; i < 4; ++i) {
+        const uint32_t reg = s[l].b[i / 2];
+        const int row = tig * 2 + (i & 1) + (i >= 2 ? 8 : 0);
+        op.b[row][gid] = emu_detail::element(static_cast<const T*>(nullptr),
+                                             (i & 1) ? reg >> 16 : reg & 0xFFFFu);
+      }
+    }
+  }
+  const auto& am = op.a;
+  const auto& bm = op.b;
+  const int gid = static_cast<int>(lane) / 4, tig = static_cast<int>(lane) % 4;
+  for (int i = 0; i < 4; ++i) {
+    const int row = gid + (i >= 2 ? 8 : 0), col = tig * 2 + (i & 1);
+    double acc = c[i];
+    for (int k = 0; k < 16; ++k) acc += static_cast<double>(am[row][k]) * bm[k][col];
+    c[i] = static_cast<float>(acc);
+  }
+}
+
+}  // namespace pa2a::moe_int4
