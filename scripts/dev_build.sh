@@ -16,4 +16,13 @@ cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -Dpybind11_DIR="$pybi
 targets=()
 for t in "$@"; do targets+=(--target "$t"); done
 cmake --build "$build" -j "${JOBS:-2}" "${targets[@]}"
-find "$build" -maxdepth 1 -name '_*.so' -exec cp -f {} python/pcie_a2a/ \;
+# Install each module by rename, never by copying over it: cp rewrites the file in place, and
+# a process that has the old module loaded (a test or bench rank still running, e.g. another
+# session's on a shared checkout) then dies with SIGBUS/SIGSEGV on its next call into it. A
+# rename leaves such processes their old file; only new imports see the new one.
+for so in "$build"/_*.so; do
+  [ -e "$so" ] || continue
+  dst=python/pcie_a2a/$(basename "$so")
+  cp -f "$so" "$dst.tmp.$$"
+  mv -f "$dst.tmp.$$" "$dst"
+done

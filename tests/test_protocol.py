@@ -173,6 +173,29 @@ def test_buffer_close_twice_and_use_after_close(single_rank_group):
             other.combine(res.x, res.handle)
 
 
+def test_handle_of_a_freed_buffer_is_refused_by_one_at_the_same_address(single_rank_group):
+    """Handles used to carry id(buffer): a Buffer created after another was freed often
+    gets the same id(), accepted the old handle and indexed its tensors with its own
+    max_tokens (a heap read past their end under AddressSanitizer with two ranks)."""
+    import pcie_a2a
+
+    x = torch.zeros(2, 128, dtype=torch.bfloat16)
+    ids = torch.tensor([[0, 1], [2, 3]])
+    reused = 0
+    for _ in range(20):
+        old = pcie_a2a.Buffer(None, 8, 128, 4)
+        res = old.dispatch(x, ids, torch.ones(2, 2))
+        old_id = id(old)
+        old.close()
+        del old  # freed: CPython hands its address to the next Buffer most of the time
+        with pcie_a2a.Buffer(None, 8, 128, 64) as new:
+            reused += id(new) == old_id
+            with pytest.raises(ValueError, match="another Buffer"):
+                new.combine(res.x, res.handle)
+        if reused:
+            break
+
+
 @pytest.mark.parametrize(
     "offset, rank, local, fragment",
     [

@@ -479,7 +479,10 @@ void ShmTransport::reduce_expert_major(const void* y, const int32_t* counts,
         const int32_t e = row_experts[row * K + k];
         if (e < 0) continue;
         PA2A_HOST_ASSERT(e < num_local_experts);
-        const size_t src = (static_cast<size_t>(e) * cap + expert_pos[row * K + k]) * H;
+        // expert_pos comes from the handle; a bad one would make `src` a wild pointer.
+        const int32_t pos = expert_pos[row * K + k];
+        PA2A_HOST_ASSERT(pos >= 0 && static_cast<size_t>(pos) < cap);
+        const size_t src = (static_cast<size_t>(e) * cap + pos) * H;
         accumulate_row(acc.data(), static_cast<const uint16_t*>(y) + src, row_weights[row * K + k],
                        H, c.dtype);
       }

@@ -15,6 +15,7 @@ rank passed the same arguments); data moves through the transport.
 
 from __future__ import annotations
 
+import itertools
 import os
 import secrets
 import warnings
@@ -32,6 +33,12 @@ _DTYPES = {torch.bfloat16: 0, torch.float16: 1}
 _PAYLOADS = {"bf16": 0, "fp16": 1, "fp8": 2}
 _OP_DISPATCH, _OP_COMBINE, _OP_LL_DISPATCH, _OP_LL_COMBINE = 1, 2, 3, 4
 _LAYOUTS = ("rows", "expert_major")
+# Identity of a Buffer in its handles. Not id(): CPython reuses a freed object's address,
+# so a Buffer created after another was closed and freed often has the same id(); the old
+# Buffer's handles (send_token sized world * its max_tokens, ...) then passed the check and
+# the native combine indexed them with the new Buffer's sizes, reading past their end
+# (found by AddressSanitizer). A process-wide counter never repeats.
+_BUFFER_IDS = itertools.count(1)
 
 
 @dataclass
@@ -186,6 +193,7 @@ class Buffer:
         self.timeout_s = float(timeout_s)
         self.num_topk = num_topk
         self.num_local_experts = placement.num_local_experts(self.rank)
+        self._id = next(_BUFFER_IDS)  # see _BUFFER_IDS
         self._seq = 0
         self._dispatch_calls = 0
         self._combine_calls = 0
@@ -585,7 +593,7 @@ class Buffer:
         row_base[1:] = torch.cumsum(counts, 0)[:-1]
         result = self._unpack_rows(parity, counts, row_base, (total,), return_fp8)
         handle = DispatchHandle(
-            id(self), "normal", "rows", num_tokens, send_token, send_count, counts, row_base
+            self._id, "normal", "rows", num_tokens, send_token, send_count, counts, row_base
         )
         return self._finish_rows(result, counts, handle, return_fp8)
 
@@ -655,7 +663,7 @@ class Buffer:
         w, m = self.world, self.max_tokens_per_rank
         row_base = torch.arange(w, dtype=torch.int64, device=self.device) * m
         handle = DispatchHandle(
-            id(self), "low_latency", layout, num_tokens, send_token, send_count, counts, row_base
+            self._id, "low_latency", layout, num_tokens, send_token, send_count, counts, row_base
         )
         if layout == "rows":
             unpacked = self._unpack_rows(parity, counts, row_base, (w, m), return_fp8)
@@ -709,7 +717,7 @@ class Buffer:
                 type(handle).__name__,
                 "the handle of a DispatchResult of this Buffer",
             )
-        if handle.buffer_id != id(self):
+        if handle.buffer_id != self._id:
             raise _fail(
                 ValueError,
                 "handle",
