@@ -226,31 +226,11 @@ def _rank_main(rank: int, world: int, warmup: int, iters: int, budget_s: float) 
                 tx.combine_send_async(ticket, 4, b["xo"], b["counts"])
                 tx.combine_recv_async(ticket, b["send_token"], b["send_count"], m, b["out"])
 
-            times: dict[str, list[float]] = {"dispatch": [], "combine": []}
-            nbytes: dict[str, list[int]] = {}
-            deadline = None
-            for it in range(warmup + iters):
-                if it == warmup:
-                    deadline = time.monotonic() + budget_s
-                # a collective start for every call; any rank past its deadline stops all
-                stop = torch.tensor([int(deadline is not None and time.monotonic() > deadline)])
-                dist.all_reduce(stop, op=dist.ReduceOp.MAX)
-                if stop.item():
-                    break
-                for op, fn in (("dispatch", dispatch), ("combine", combine)):
-                    if op == "combine":
-                        dist.barrier()
-                    ticket = tx.new_ticket()
-                    start = torch.cuda.Event(enable_timing=True)
-                    end = torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    fn(ticket)
-                    end.record()
-                    end.synchronize()
-                    tx.check()
-                    if it >= warmup:
-                        times[op].append(start.elapsed_time(end) / 1e3)
-                    nbytes[op] = tx.last_bytes()  # the op just run (synchronises)
+            steps = [
+                ("dispatch", lambda tx=tx: dispatch(tx.new_ticket())),
+                ("combine", lambda tx=tx: combine(tx.new_ticket())),
+            ]
+            times, nbytes = _timed_loop(tx, steps, warmup, iters, budget_s)
             out[name] = {"times_s": times, "bytes_per_dest": nbytes}
             torch.cuda.synchronize()
             dist.barrier()  # every rank done before anyone frees its segment

@@ -543,6 +543,7 @@ class CudaTransport:
         self._dispatch_ticket = self.new_ticket()
         slot = self._tx().dispatch_slot_bytes
         if op == _OP_DISPATCH and self._copy_engine_could_serve(num_tokens * slot):
+            self._check_send_inputs(x, topk_ids, topk_weights)
             self._tx().dispatch_send_ce(
                 _ptr(self._dispatch_ticket),
                 op,
