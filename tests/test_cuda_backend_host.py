@@ -3,12 +3,11 @@ input checks of the graph-capturable path (python/pcie_a2a/cuda_backend.py)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
 from pcie_a2a.cuda_backend import P2P, STAGED, _aligned, _check, outgoing_pairs
+from topology_fixtures import FIXTURES
 
 A, B, C = "GPU-a", "GPU-b", "GPU-c"
 
@@ -82,7 +81,6 @@ def test_aligned_copies_only_misaligned_views():
     assert fixed.data_ptr() % 16 == 0 and torch.equal(fixed, view)
 
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures/topology"
 BUS8 = [f"0000:{b:02x}:00.0" for b in (0x01, 0x21, 0x41, 0x61, 0x81, 0xA1, 0xC1, 0xE1)]
 
 

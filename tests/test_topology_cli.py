@@ -9,10 +9,8 @@ import pytest
 
 from pcie_a2a.topology import Plan, format_plan
 from pcie_a2a.topology import cli as topo_cli
+from topology_fixtures import FIXTURES
 
-SHARED = Path(__file__).resolve().parents[2] / "shared/fixtures/topology"
-VENDORED = Path(__file__).resolve().parent / "fixtures/topology"
-FIXTURES = SHARED if SHARED.is_dir() else VENDORED
 BROADCOM = FIXTURES / "8x-rtxpro6000-dual-epyc9575f-broadcom-pex890xx.topo.txt"
 
 

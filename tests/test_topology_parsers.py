@@ -21,10 +21,7 @@ from pcie_a2a.topology import (
     parse_xml,
 )
 from pcie_a2a.topology.nccl_log import parse_nccl_paths, parse_nccl_tests
-
-SHARED = Path(__file__).resolve().parents[2] / "shared/fixtures/topology"
-VENDORED = Path(__file__).resolve().parent / "fixtures/topology"
-FIXTURES = SHARED if SHARED.is_dir() else VENDORED
+from topology_fixtures import FIXTURES, SHARED, VENDORED
 
 
 def fx(name: str) -> Path:

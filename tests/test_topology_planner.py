@@ -4,7 +4,6 @@ traffic prediction, overrides, purity, and plan JSON round trips."""
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 
@@ -22,10 +21,7 @@ from pcie_a2a.topology import (
     plan,
 )
 from pcie_a2a.topology.nccl_log import parse_nccl_paths
-
-SHARED = Path(__file__).resolve().parents[2] / "shared/fixtures/topology"
-VENDORED = Path(__file__).resolve().parent / "fixtures/topology"
-FIXTURES = SHARED if SHARED.is_dir() else VENDORED
+from topology_fixtures import FIXTURES
 
 BROADCOM = "8x-rtxpro6000-dual-epyc9575f-broadcom-pex890xx"
 XEON_4090 = "8x-rtx4090-dual-xeon-broadcom-pix"

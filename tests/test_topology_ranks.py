@@ -3,16 +3,12 @@ on the real boxes of the fixture set."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from pcie_a2a.topology import load, plan
 from pcie_a2a.topology.ranks import match_ranks, normalise_bus_id, plan_ranks
+from topology_fixtures import FIXTURES
 
-SHARED = Path(__file__).resolve().parents[2] / "shared/fixtures/topology"
-VENDORED = Path(__file__).resolve().parent / "fixtures/topology"
-FIXTURES = SHARED if SHARED.is_dir() else VENDORED
 BROADCOM = "8x-rtxpro6000-dual-epyc9575f-broadcom-pex890xx.topo.txt"
 XEON_4090 = "8x-rtx4090-dual-xeon-broadcom-pix.topo.txt"
 L40S = "4x-l40s-dual-socket.topo.txt"
