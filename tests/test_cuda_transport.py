@@ -24,19 +24,20 @@ Case table (what each case reaches):
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import pytest
 import torch
 
 from pcie_a2a import cuda_available, cuda_unavailable_reason
-from pcie_a2a.placement import Placement
-from pcie_a2a.reference import quantize_fp8, reference_combine, reference_dispatch
 
 try:
+    import cuda_transport_cases as C
     from dist_utils import run_ranks
 except ImportError:  # pragma: no cover - run from another directory
+    from tests import cuda_transport_cases as C
     from tests.dist_utils import run_ranks
+
+Case = C.Case
 
 
 def _skip_reason() -> str:
@@ -52,29 +53,8 @@ def _skip_reason() -> str:
 _REASON = _skip_reason()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(bool(_REASON), reason=_REASON or "n/a")]
 
-_DT = {"bf16": (torch.bfloat16, 0), "fp16": (torch.float16, 1)}
-_PAYLOAD = {"bf16": 0, "fp16": 1, "fp8": 2}
-
-
-@dataclass(frozen=True)
-class Case:
-    name: str
-    world: int
-    mode: str  # normal | ll_rows | ll_em
-    dtype: str = "bf16"
-    payload: str = "bf16"
-    hidden: int = 256
-    experts: int = 8
-    topk: int = 3
-    num_topk: int = 4
-    max_tokens: int = 24
-    raw_fp8: bool = False
-    transport: str = "auto"  # auto | staged | mixed
-    placement: str = "contiguous"  # contiguous | redundant
-    copy_engine: str = "off"  # off | all | mixed (normal mode)
-    spread: bool = False  # rank r on GPU r % device_count (multi-GPU cases)
-    seed: int = 0
-
+_DT = C.DTYPES
+_PAYLOAD = C.PAYLOADS
 
 CASES = [
     Case("normal_bf16_2", 2, "normal"),
@@ -96,86 +76,17 @@ CASES = [
     Case("ce_all_staged_mixed_4", 4, "normal", transport="mixed", copy_engine="all", seed=16),
 ]
 
-_CE_MIN_ROWS = 8  # copy_engine="mixed": pairs of at least this many rows use the copy engine
 
-
-# ---- inputs and references (deterministic per (case, rank); every rank rebuilds all) -----
-def _placement(case: Case) -> Placement:
-    base = Placement.contiguous(case.experts, case.world)
-    if case.placement == "redundant":
-        return Placement.with_redundant(base, {0: [case.world - 1], 1: [1 % case.world]})
-    return base
-
-
-def _tokens(case: Case, rank: int) -> int:
-    return (
-        [case.max_tokens, 0, 7, case.max_tokens - 1][rank % 4]
-        if case.world > 2
-        else ([case.max_tokens, 5][rank])
-    )
-
-
-def _inputs(case: Case, rank: int, step: int = 0):
-    dtype = _DT[case.dtype][0]
-    g = torch.Generator().manual_seed(10_000 * case.seed + 100 * step + rank)
-    t = _tokens(case, rank)
-    x = (torch.randn(t, case.hidden, generator=g) * 3).to(dtype)
-    ids = torch.empty(t, case.topk, dtype=torch.int32)
-    for i in range(t):
-        ids[i] = torch.randperm(case.experts, generator=g)[: case.topk]
-    ids[::5, -1] = -1  # some tokens use fewer experts
-    if t > 3:
-        ids[3, :] = -1  # a token sent nowhere
-    w = torch.rand(t, case.topk, generator=g)
-    return x, ids, w
-
-
-def _all_inputs(case: Case, step: int = 0):
-    return [_inputs(case, r, step) for r in range(case.world)]
-
-
-def _expected(case: Case, step: int = 0):
-    xs, ids, ws = zip(*_all_inputs(case, step))
-    return reference_dispatch(
-        list(xs),
-        list(ids),
-        list(ws),
-        _placement(case),
-        case.max_tokens,
-        case.num_topk,
-        case.payload,
-    )
-
-
-def _rows_fn(x: torch.Tensor, rank: int) -> torch.Tensor:
-    """The stand-in expert of the rows layouts: exact elementwise, same on CPU and GPU."""
-    return (x.float() * (rank + 1) / 4).to(x.dtype)
-
-
-def _em_fn(x: torch.Tensor, e: int) -> torch.Tensor:
-    return (x.float() * (1 + e / 8)).to(x.dtype)
-
-
-def _pre_reduced(exp, dtype) -> torch.Tensor:
-    """CPU model of the fused expert-major pre-reduction: fp32, k order, mul then add."""
-    out = torch.zeros(exp.x.shape[0], exp.x.shape[1], dtype=dtype)
-    for i in range(exp.x.shape[0]):
-        acc = torch.zeros(exp.x.shape[1], dtype=torch.float32)
-        for k in range(exp.topk_ids.shape[1]):
-            e = int(exp.topk_ids[i, k])
-            if e >= 0:
-                acc = acc + float(exp.topk_weights[i, k]) * _em_fn(exp.x[i], e).float()
-        out[i] = acc.to(dtype)
-    return out
+# ---- inputs and references: tests/cuda_transport_cases.py (shared with the emulation) ----
+_inputs = C.inputs
+_expected = C.expected
+_rows_fn = C.rows_fn
+_bits = C.bits
+_ce_min_bytes = C.ce_min_bytes
 
 
 def _plan(case: Case):
-    if case.transport == "mixed":
-        return [
-            ["staged" if (s + d) % 2 else "p2p" for d in range(case.world)]
-            for s in range(case.world)
-        ]
-    return None
+    return C.pair_plan(case) if case.transport == "mixed" else None
 
 
 def _make(case: Case, rank: int, timeout_s: float = 30.0):
@@ -187,13 +98,9 @@ def _make(case: Case, rank: int, timeout_s: float = 30.0):
     torch.cuda.set_device(device)
     return CudaTransport(
         None, rank, case.world, case.hidden, case.max_tokens, case.num_topk,
-        _PAYLOAD[case.payload], _DT[case.dtype][1], _placement(case), device=device,
+        _PAYLOAD[case.payload], _DT[case.dtype][1], C.placement(case), device=device,
         timeout_s=timeout_s, pair_transport=_plan(case), copy_engine_min_bytes=None,
     )  # fmt: skip
-
-
-def _ce_min_bytes(case: Case, slot_bytes: int) -> int | None:
-    return {"off": None, "all": 0, "mixed": _CE_MIN_ROWS * slot_bytes}[case.copy_engine]
 
 
 def _check_copy_engine(tx, case: Case, counts: list[int], slot_bytes: int) -> None:
@@ -207,31 +114,8 @@ def _check_copy_engine(tx, case: Case, counts: list[int], slot_bytes: int) -> No
         assert tx.last_copy_engine_ranks == want
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach().cpu().contiguous()
-    return t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int16)
-
-
-def _assert_rows(got_x, exp, case: Case, got_fp8=None, got_scales=None):
-    if got_fp8 is not None:
-        # raw fp8: the wire bytes equal torch's quantisation of the source rows
-        xs, _, _ = zip(*_all_inputs(case))
-        src = [quantize_fp8(x) for x in xs]
-        want_q = (
-            torch.stack([src[int(s)][0][int(t)] for s, t in zip(exp.src_rank, exp.src_token)])
-            if len(exp.src_rank)
-            else None
-        )
-        want_s = (
-            torch.stack([src[int(s)][1][int(t)] for s, t in zip(exp.src_rank, exp.src_token)])
-            if len(exp.src_rank)
-            else None
-        )
-        if want_q is not None:
-            assert torch.equal(_bits(got_fp8), want_q.view(torch.uint8))
-            assert torch.equal(got_scales.cpu(), want_s)
-        return
-    assert torch.equal(_bits(got_x), _bits(exp.x)), "received rows differ from the reference"
+def _cpu(b: dict) -> dict:
+    return {k: v.cpu() for k, v in b.items()}
 
 
 # ---- one rank's work per mode ------------------------------------------------------------
@@ -277,7 +161,7 @@ def _run_normal(tx, case: Case, rank: int, step: int, seq: int):
     assert torch.equal(ids_o.cpu(), exp.topk_ids)
     assert torch.equal(ws_o.cpu(), exp.topk_weights)
     assert per_expert.tolist() == exp.tokens_per_expert
-    _assert_rows(xo, exp, case, q, sc)
+    C.assert_rows(case, exp, xo, q, sc, step)
     if case.raw_fp8:
         xo = torch.stack([exp.x[i] for i in range(total)]).to(dev) if total else xo
     y = _rows_fn(xo, rank)
@@ -286,8 +170,7 @@ def _run_normal(tx, case: Case, rank: int, step: int, seq: int):
     _check_copy_engine(tx, case, counts, tx._tx().combine_slot_bytes)
     out = torch.empty(x.shape[0], case.hidden, dtype=dtype, device=dev)
     tx.combine_recv(seq + 1, 2, (step + 1) & 1, 30.0, send_token, send_count, x.shape[0], out)
-    ys = [_rows_fn(e.x, r) for r, e in enumerate(exp_all)]
-    want = reference_combine(ys, exp_all, [_tokens(case, r) for r in range(world)], case.hidden)
+    want = C.combined(case, step, [_rows_fn(e.x, r) for r, e in enumerate(exp_all)])
     assert torch.equal(_bits(out), _bits(want[rank])), "combined output differs"
 
 
@@ -321,32 +204,6 @@ def _ll_rows_calls(tx, b, x, ids, w, rank):
     return td, tc
 
 
-def _check_ll_rows(case: Case, rank: int, step: int, b, num_tokens: int):
-    m = case.max_tokens
-    exp_all = _expected(case, step)
-    exp = exp_all[rank]
-    counts = b["counts"].tolist()
-    src = exp.src_rank
-    assert counts == [int((src == s).sum()) for s in range(case.world)]
-    for s in range(case.world):
-        sel = (src == s).nonzero().flatten()
-        n = counts[s]
-        assert torch.equal(_bits(b["xo"][s * m : s * m + n]), _bits(exp.x[sel]))
-        assert torch.equal(b["src_token"][s * m : s * m + n].cpu(), exp.src_token[sel])
-        assert torch.equal(b["ids_o"][s * m : s * m + n].cpu(), exp.topk_ids[sel])
-        assert torch.equal(b["ws_o"][s * m : s * m + n].cpu(), exp.topk_weights[sel])
-        assert bool((b["src_rank"][s * m : s * m + n] == s).all()), "src_rank differs"
-        assert bool((b["ids_o"][s * m + n : (s + 1) * m] == -1).all()), "unused rows not marked"
-        assert bool((b["ws_o"][s * m + n : (s + 1) * m] == 0).all()), "unused weights not 0"
-        assert bool((b["src_rank"][s * m + n : (s + 1) * m] == -1).all()), "unused src not -1"
-    assert b["per_expert"].tolist() == exp.tokens_per_expert
-    ys = [_rows_fn(e.x, r) for r, e in enumerate(exp_all)]
-    want = reference_combine(
-        ys, exp_all, [_tokens(case, r) for r in range(case.world)], case.hidden
-    )
-    assert torch.equal(_bits(b["out"][:num_tokens]), _bits(want[rank])), "combined output differs"
-
-
 def _run_ll_rows(tx, case: Case, rank: int, step: int):
     dev = tx.device
     x, ids, w = (t.to(dev) for t in _inputs(case, rank, step))
@@ -354,7 +211,7 @@ def _run_ll_rows(tx, case: Case, rank: int, step: int):
     _ll_rows_calls(tx, b, x, ids, w, rank)
     torch.cuda.synchronize()
     tx.check()
-    _check_ll_rows(case, rank, step, b, x.shape[0])
+    C.check_ll_rows(case, rank, step, _cpu(b), x.shape[0])
 
 
 def _run_ll_em(tx, case: Case, rank: int, step: int):
@@ -379,37 +236,18 @@ def _run_ll_em(tx, case: Case, rank: int, step: int):
                                expert_pos, row_experts, row_weights)  # fmt: skip
     torch.cuda.synchronize()
     tx.check()
-    exp_all = _expected(case, step)
-    exp = exp_all[rank]
-    # expected expert-major lists: rows in (source, token) order, per local expert
-    lists: list[list[int]] = [[] for _ in range(e_local)]
-    for i in range(exp.x.shape[0]):
-        for kk in range(k):
-            e = int(exp.topk_ids[i, kk])
-            if e >= 0:
-                lists[e].append(i)
-    assert per_expert.tolist() == [len(v) for v in lists]
-    for e, rows in enumerate(lists):
-        if rows:
-            assert torch.equal(_bits(xo[e, : len(rows)]), _bits(exp.x[rows]))
-            assert torch.equal(src_info[e, : len(rows)].cpu(), exp.src_token[rows])
-        assert bool((src_info[e, len(rows) :] == -1).all())
-        begin = 0
-        for s in range(world):
-            n = sum(1 for i in rows if int(exp.src_rank[i]) == s)
-            assert int(layout_range[e, s]) == (begin << 32) | n
-            begin += n
+    got = dict(per_expert=per_expert, xo=xo, src_info=src_info, layout_range=layout_range)
+    C.check_expert_major(case, rank, step, _cpu(got))
     # combine: unweighted expert outputs; the push pre-reduces them (fp32, weighted)
     y = torch.zeros_like(xo)
     for e in range(e_local):
-        y[e] = _em_fn(xo[e], e)
+        y[e] = C.em_fn(xo[e], e)
     tx.combine_send_async(tc, 4, y, counts, None, expert_pos, row_experts, row_weights)
     out = torch.empty(x.shape[0], case.hidden, dtype=dtype, device=dev)
     tx.combine_recv_async(tc, send_token, send_count, x.shape[0], out)
     torch.cuda.synchronize()
     tx.check()
-    ys = [_pre_reduced(ex, dtype) for ex in exp_all]
-    want = reference_combine(ys, exp_all, [_tokens(case, r) for r in range(world)], case.hidden)
+    want = C.combined(case, step, C.em_partials(case, step))
     assert torch.equal(_bits(out), _bits(want[rank])), "expert-major combine differs"
 
 
@@ -473,7 +311,7 @@ def _rank_graph(rank: int, world: int, case: Case) -> None:
         _ll_rows_calls(tx, b, x_s, ids_s, w_s, rank)  # eager warm-up: loads the kernels
         torch.cuda.synchronize()
         tx.check()
-        _check_ll_rows(case, rank, 0, b, x_s.shape[0])
+        C.check_ll_rows(case, rank, 0, _cpu(b), x_s.shape[0])
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             _ll_rows_calls(tx, b, x_s, ids_s, w_s, rank)
@@ -485,7 +323,7 @@ def _rank_graph(rank: int, world: int, case: Case) -> None:
             g.replay()
             torch.cuda.synchronize()
             tx.check()
-            _check_ll_rows(case, rank, step, b, x_s.shape[0])
+            C.check_ll_rows(case, rank, step, _cpu(b), x_s.shape[0])
         dist.barrier()
     finally:
         tx.close()

@@ -2,9 +2,10 @@
 
 ``csrc/cuda/moe_int4/{gemm_kernel.cuh, schedule.cuh, validate.h}`` and the GEMM parameters
 of ``moe_int4.cuh`` are compiled with the host C++ compiler against a small CUDA execution
-model (``tests/native/moe_int4_emu``: one fiber per CUDA thread with real barriers,
-cp.async copies that land only at ``wait_group`` and poison their destination until
-then, a warp-collective mma.m16n8k16 written from the PTX fragment tables, bf16/fp16 with
+model (``tests/native/emu/emu_cuda.h``, shared with the transport's emulation, plus
+``tests/native/moe_int4_emu``: one fiber per CUDA thread with real barriers, cp.async
+copies that land only at ``wait_group`` and poison their destination until then, a
+warp-collective mma.m16n8k16 written from the PTX fragment tables, bf16/fp16 with
 round-to-nearest-even). Only ``device_ops.cuh`` (the inline PTX) is replaced. The inputs
 are the Python packer's layout and exactly the launch arguments ``_run_cuda`` would pass
 (``moe._launch_fields``), and the result must meet the GPU tests' bound against the fp32
@@ -48,6 +49,7 @@ from pcie_a2a.quant import moe as M
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = ROOT / "csrc"
 EMU = Path(__file__).resolve().parent / "native" / "moe_int4_emu"
+EMU_MODEL = Path(__file__).resolve().parent / "native" / "emu"  # shared CUDA model
 SOURCES = ("gemm_kernel.cuh", "schedule.cuh", "validate.h", "moe_int4.cuh", "layout.h")
 
 
@@ -59,7 +61,8 @@ def build_emulator(out: Path, csrc: Path = CSRC, sanitize: bool = True) -> Path:
     """Compile tests/native/moe_int4_emu/main.cpp against the kernel headers in ``csrc``."""
     cxx = _compiler()
     base = [cxx, "-std=c++17", "-g", "-fno-strict-aliasing", "-Wno-unknown-pragmas"]
-    base += ["-iquote", str(EMU / "override"), "-I", str(EMU / "include"), "-I", str(csrc)]
+    base += ["-iquote", str(EMU / "override"), "-I", str(EMU / "include")]
+    base += ["-I", str(EMU_MODEL), "-I", str(csrc)]
     base += [str(EMU / "main.cpp"), "-o", str(out)]
     if sanitize:
         san = ["-O1", "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined"]

@@ -49,6 +49,7 @@
 #include <cstdint>
 
 #include "core/wire_format.h"
+#include "cuda/transport/ptx.cuh"
 
 namespace pa2a::cuda {
 
@@ -115,52 +116,9 @@ struct PeerTable {
 
 // ---- memory-ordering primitives ---------------------------------------------------------
 // System scope everywhere: the other side is another GPU or the CPU-side memory a GPU
-// polls, never only this GPU.
-
-// Acquire load of a flag word. .sys because the writer is another device (or a process
-// on this device through IPC); acquire so the rows the flag covers are visible after it.
-__device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
-  uint64_t v;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-
-// Relaxed system-scope load: reads `sig` after the acquire of the word (which orders it).
-__device__ __forceinline__ uint32_t ld_relaxed_sys(const uint32_t* p) {
-  uint32_t v;
-  asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
-// Release store of a flag word: every write this thread has observed (fence-cumulative:
-// including the rows of other blocks ordered before it) becomes visible first.
-__device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-
-__device__ __forceinline__ void st_relaxed_sys(uint32_t* p, uint32_t v) {
-  asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-
-__device__ __forceinline__ void st_relaxed_sys(uint64_t* p, uint64_t v) {
-  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-
-// Orders this thread's earlier stores (rows pushed across PCIe) before its later ones
-// (the arrival count, then the flag) at system scope. A release store alone orders only
-// the issuing thread; rows are written by many threads, so each fences before the block
-// barrier (see publish in the kernels).
-__device__ __forceinline__ void fence_acq_rel_sys() {
-  asm volatile("fence.acq_rel.sys;" ::: "memory");
-}
-
-// Nanoseconds from the GPU's global timer. Unlike clock64() it does not depend on the SM
-// clock (which changes with boost and power state), so a deadline in seconds stays one.
-__device__ __forceinline__ uint64_t globaltimer_ns() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
+// polls, never only this GPU. The primitives (ld_acquire_sys, ld_relaxed_sys,
+// st_release_sys, st_relaxed_sys, fence_acq_rel_sys, globaltimer_ns) are the inline PTX
+// of cuda/transport/ptx.cuh.
 
 // Records the first problem of a call. Plain (relaxed, system-scope) store: the host reads
 // the word without synchronising, and any writer's word is a complete description. An

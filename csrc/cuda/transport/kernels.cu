@@ -5,6 +5,7 @@
 #include "core/exception.h"
 #include "core/numeric.h"
 #include "cuda/transport/kernels.cuh"
+#include "cuda/transport/launch.cuh"
 
 namespace pa2a::cuda {
 namespace {
@@ -47,12 +48,6 @@ constexpr unsigned kFull = 0xffffffffu;
                  "); supported: bf16 or fp16 x with the same 16-bit payload or fp8");          \
     }                                                                                          \
   } while (0)
-
-__device__ __forceinline__ unsigned lanemask_lt() {
-  unsigned m;
-  asm("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
-  return m;
-}
 
 __device__ __forceinline__ uint8_t* dispatch_slot(const KernelContext& k, uint8_t* base, int parity,
                                                   int src, int j) {
@@ -478,7 +473,7 @@ __global__ void __launch_bounds__(kThreads)
                       const int32_t* cnt_ws, uint8_t* x_out, uint8_t* fp8_out, float* scales_out,
                       int32_t* expert_count, int32_t* src_info, int64_t* layout_range,
                       int32_t* expert_pos, const int32_t* row_experts) {
-  extern __shared__ int32_t begin_sh[];
+  int32_t* const begin_sh = dynamic_smem<int32_t>();  // [E_local]
   __shared__ int32_t n_sh;
   __shared__ int64_t dst_sh[kWarps][kMaxTopk];
   const WireConfig& c = k.cfg;
@@ -731,7 +726,7 @@ unsigned cdiv(int64_t a, int64_t b) {
 // ---- launchers ---------------------------------------------------------------------------
 void launch_begin_call(const KernelContext& k, CallTicket* ticket, uint32_t op, int family,
                        bool abort, cudaStream_t stream) {
-  begin_call_kernel<<<1, 64, 0, stream>>>(k, ticket, op, family, abort ? 1 : 0);
+  launch_kernel(begin_call_kernel, 1, 64, 0, stream, k, ticket, op, family, abort ? 1 : 0);
 }
 
 void launch_dispatch_send(const KernelContext& k, const CallTicket* ticket, const void* x,
@@ -743,16 +738,16 @@ void launch_dispatch_send(const KernelContext& k, const CallTicket* ticket, cons
   int tpb = static_cast<int>(cdiv(num_tokens, 256));
   tpb = tpb < 4 ? 4 : (tpb > kMaxTokPerBlock ? kMaxTokPerBlock : tpb);
   const unsigned grid = num_tokens > 0 ? cdiv(num_tokens, tpb) : 1;
-  PA2A_SWITCH_WIRE(k.cfg, dispatch_send_kernel<kDT, kFp8>
-                   <<<grid, kThreads, 0, stream>>>(k, ticket, static_cast<const uint16_t*>(x),
-                                                   num_tokens, topk_ids, topk_weights, topk, tpb,
-                                                   qbuf, send_token, send_count, pack, pack_mask));
+  PA2A_SWITCH_WIRE(
+      k.cfg, launch_kernel(dispatch_send_kernel<kDT, kFp8>, grid, kThreads, 0, stream, k, ticket,
+                           static_cast<const uint16_t*>(x), num_tokens, topk_ids, topk_weights,
+                           topk, tpb, qbuf, send_token, send_count, pack, pack_mask));
 }
 
 void launch_wait_counts(const KernelContext& k, const CallTicket* ticket, int32_t* counts,
                         uint64_t timeout_ns, bool tolerate_aborts, cudaStream_t stream) {
-  wait_counts_kernel<<<1, kMaxWorld, 0, stream>>>(k, ticket, counts, timeout_ns,
-                                                  tolerate_aborts ? 1 : 0);
+  launch_kernel(wait_counts_kernel, 1, kMaxWorld, 0, stream, k, ticket, counts, timeout_ns,
+                tolerate_aborts ? 1 : 0);
 }
 
 void launch_unpack_rows(const KernelContext& k, const CallTicket* ticket, bool wait,
@@ -763,10 +758,11 @@ void launch_unpack_rows(const KernelContext& k, const CallTicket* ticket, bool w
   if (k.num_local_experts > 0)
     cudaMemsetAsync(expert_count, 0, sizeof(int32_t) * k.num_local_experts, stream);
   const dim3 grid(static_cast<unsigned>(k.cfg.world), cdiv(k.cfg.max_tokens, kRowsPerBlock));
-  PA2A_SWITCH_WIRE(k.cfg, unpack_rows_kernel<kDT, kFp8><<<grid, kThreads, 0, stream>>>(
-                              k, ticket, wait ? 1 : 0, counts, row_base,
-                              static_cast<uint8_t*>(x_out), fp8_out, scales_out, src_rank,
-                              src_token, topk_ids, topk_weights, expert_count, timeout_ns));
+  PA2A_SWITCH_WIRE(
+      k.cfg, launch_kernel(unpack_rows_kernel<kDT, kFp8>, grid, kThreads, 0, stream, k, ticket,
+                           wait ? 1 : 0, counts, row_base, static_cast<uint8_t*>(x_out), fp8_out,
+                           scales_out, src_rank, src_token, topk_ids, topk_weights, expert_count,
+                           timeout_ns));
 }
 
 void launch_unpack_expert_major(const KernelContext& k, const CallTicket* ticket,
@@ -777,14 +773,14 @@ void launch_unpack_expert_major(const KernelContext& k, const CallTicket* ticket
   const int64_t cap = static_cast<int64_t>(k.cfg.world) * k.cfg.max_tokens;
   if (k.num_local_experts > 0)
     cudaMemsetAsync(src_info, 0xff, sizeof(int32_t) * cap * k.num_local_experts, stream);
-  em_count_kernel<<<static_cast<unsigned>(k.cfg.world), kThreads, 0, stream>>>(
-      k, ticket, recv_count, cnt_ws, expert_pos, row_experts, row_weights, timeout_ns);
+  launch_kernel(em_count_kernel, static_cast<unsigned>(k.cfg.world), kThreads, 0, stream, k, ticket,
+                recv_count, cnt_ws, expert_pos, row_experts, row_weights, timeout_ns);
   const dim3 grid(static_cast<unsigned>(k.cfg.world), cdiv(k.cfg.max_tokens, kRowsPerBlock));
   const size_t smem = sizeof(int32_t) * static_cast<size_t>(k.num_local_experts);
   PA2A_SWITCH_WIRE(
-      k.cfg, em_scatter_kernel<kDT, kFp8><<<grid, kThreads, smem, stream>>>(
-                 k, ticket, recv_count, cnt_ws, static_cast<uint8_t*>(x_out), fp8_out, scales_out,
-                 expert_count, src_info, layout_range, expert_pos, row_experts));
+      k.cfg, launch_kernel(em_scatter_kernel<kDT, kFp8>, grid, kThreads, smem, stream, k, ticket,
+                           recv_count, cnt_ws, static_cast<uint8_t*>(x_out), fp8_out, scales_out,
+                           expert_count, src_info, layout_range, expert_pos, row_experts));
 }
 
 void launch_combine_send(const KernelContext& k, const CallTicket* ticket, const void* y,
@@ -796,11 +792,11 @@ void launch_combine_send(const KernelContext& k, const CallTicket* ticket, const
   PA2A_SWITCH_WIRE(k.cfg, {
     (void)kFp8;
     if (expert_pos != nullptr)
-      combine_send_kernel<kDT, true><<<grid, kThreads, 0, stream>>>(
-          k, ticket, yb, recv_count, row_base, expert_pos, row_experts, row_weights, ce_mask);
+      launch_kernel(combine_send_kernel<kDT, true>, grid, kThreads, 0, stream, k, ticket, yb,
+                    recv_count, row_base, expert_pos, row_experts, row_weights, ce_mask);
     else
-      combine_send_kernel<kDT, false><<<grid, kThreads, 0, stream>>>(
-          k, ticket, yb, recv_count, row_base, expert_pos, row_experts, row_weights, ce_mask);
+      launch_kernel(combine_send_kernel<kDT, false>, grid, kThreads, 0, stream, k, ticket, yb,
+                    recv_count, row_base, expert_pos, row_experts, row_weights, ce_mask);
   });
 }
 
@@ -808,13 +804,13 @@ void launch_count_destinations(const KernelContext& k, const int32_t* topk_ids, 
                                int32_t topk, int32_t* counts, cudaStream_t stream) {
   cudaMemsetAsync(counts, 0, sizeof(int32_t) * static_cast<size_t>(k.cfg.world), stream);
   if (num_tokens == 0) return;
-  count_destinations_kernel<<<cdiv(num_tokens, kThreads), kThreads, 0, stream>>>(
-      k, topk_ids, num_tokens, topk, counts);
+  launch_kernel(count_destinations_kernel, cdiv(num_tokens, kThreads), kThreads, 0, stream, k,
+                topk_ids, num_tokens, topk, counts);
 }
 
 void launch_publish_one(const KernelContext& k, uint32_t seq, uint32_t op, int32_t dest,
                         uint32_t count, cudaStream_t stream) {
-  publish_one_kernel<<<1, 1, 0, stream>>>(k, seq, op, dest, count);
+  launch_kernel(publish_one_kernel, 1, 1, 0, stream, k, seq, op, dest, count);
 }
 
 void launch_reduce_rows(const KernelContext& k, const void* y, const int32_t* recv_count,
@@ -823,9 +819,9 @@ void launch_reduce_rows(const KernelContext& k, const void* y, const int32_t* re
   const dim3 grid(static_cast<unsigned>(k.cfg.world), cdiv(k.cfg.max_tokens, kRowsPerBlock));
   PA2A_SWITCH_WIRE(k.cfg, {
     (void)kFp8;
-    reduce_rows_kernel<kDT>
-        <<<grid, kThreads, 0, stream>>>(k, static_cast<const uint8_t*>(y), recv_count, expert_pos,
-                                        row_experts, row_weights, static_cast<uint8_t*>(rows_out));
+    launch_kernel(reduce_rows_kernel<kDT>, grid, kThreads, 0, stream, k,
+                  static_cast<const uint8_t*>(y), recv_count, expert_pos, row_experts, row_weights,
+                  static_cast<uint8_t*>(rows_out));
   });
 }
 
@@ -835,8 +831,8 @@ void launch_combine_recv(const KernelContext& k, const CallTicket* ticket,
   const unsigned grid = num_tokens > 0 ? cdiv(num_tokens, kWarps) : 1;
   PA2A_SWITCH_WIRE(k.cfg, {
     (void)kFp8;
-    combine_recv_kernel<kDT><<<grid, kThreads, 0, stream>>>(
-        k, ticket, send_token, send_count, num_tokens, static_cast<uint8_t*>(out), timeout_ns);
+    launch_kernel(combine_recv_kernel<kDT>, grid, kThreads, 0, stream, k, ticket, send_token,
+                  send_count, num_tokens, static_cast<uint8_t*>(out), timeout_ns);
   });
 }
 

@@ -1,11 +1,91 @@
 // Host stand-in for csrc/cuda/moe_int4/device_ops.cuh (same functions, same signatures),
-// found first through -iquote by the emulation build. Semantics: see emu_cuda.h.
+// found first through -iquote by the emulation build. The execution model (fibers,
+// barriers, warps) is tests/native/emu/emu_cuda.h; this adds what only the INT4 kernel uses:
+//  * cp.async: the destination is poisoned (0xFF bytes: NaN in bf16/fp16, code 15 in the
+//    weights) when the copy is issued and filled only when a cp.async.wait_group of the
+//    issuing thread requires its group, i.e. as late as the hardware may deliver it.
+//    Reading a stage too early, or overwriting one still in use, gives wrong numbers.
+//    Source and destination must be 16-byte aligned; sources must lie in a registered
+//    global buffer and destinations in the dynamic shared memory. A thread that exits
+//    with copies in flight still has them land (the hardware finishes them).
+//  * mma.sync.m16n8k16: warp-collective; each lane publishes its fragment registers and
+//    reads the others', placed by the PTX ISA fragment tables (written here from the ISA,
+//    not from the kernel or the packer). fp32 accumulation.
 #pragma once
 
 #include <cstdint>
 #include <cstring>
+#include <deque>
+#include <vector>
 
 #include "emu_cuda.h"
+
+namespace emu_int4 {
+
+struct Copy {
+  void* dst;
+  const void* src;
+  bool pred;
+};
+
+struct ThreadState {
+  std::vector<Copy> open;                  // cp.async issued since the last commit
+  std::deque<std::vector<Copy>> inflight;  // committed groups, oldest first
+  int mma_parity = 0;
+};
+
+struct MmaSlot {
+  uint32_t a[4];
+  uint32_t b[2];
+};
+
+struct MmaOperands {
+  uint64_t epoch = ~uint64_t{0};  // warp barrier generation these were decoded in
+  float a[16][16];
+  float b[16][8];
+};
+
+inline std::vector<ThreadState>& threads() {
+  static std::vector<ThreadState> t(1024);
+  return t;
+}
+inline ThreadState& me() {
+  return threads()[threadIdx.x];
+}
+inline MmaSlot mma[32][2][32];  // [warp][parity][lane]
+inline MmaOperands mma_ops[32][2];
+
+inline void complete(std::vector<Copy>& group) {
+  for (const Copy& c : group) {
+    if (c.pred) {
+      std::memcpy(c.dst, c.src, 16);
+    } else {
+      std::memset(c.dst, 0, 16);
+    }
+  }
+  group.clear();
+}
+
+inline void block_begin() {
+  for (unsigned i = 0; i < emu::rt.nthreads; ++i) threads()[i] = ThreadState{};
+}
+
+inline void thread_exit() {
+  ThreadState& s = me();
+  while (!s.inflight.empty()) {
+    complete(s.inflight.front());
+    s.inflight.pop_front();
+  }
+  complete(s.open);
+}
+
+inline const bool hooks_installed = [] {
+  emu::hooks.block_begin = block_begin;
+  emu::hooks.thread_exit = thread_exit;
+  return true;
+}();
+
+}  // namespace emu_int4
 
 namespace pa2a::moe_int4 {
 
@@ -23,20 +103,20 @@ inline void cp_async16(void* smem, const void* gmem, bool pred) {
   emu::check_smem(smem, 16, "cp.async destination");
   if (pred) emu::check_global(gmem, 16, "cp.async source");
   std::memset(smem, 0xFF, 16);  // what a reader sees before the copy lands
-  emu::self().open.push_back(emu::Copy{smem, gmem, pred});
+  emu_int4::me().open.push_back(emu_int4::Copy{smem, gmem, pred});
 }
 
 inline void cp_async_commit() {
-  emu::Fiber& f = emu::self();
+  emu_int4::ThreadState& f = emu_int4::me();
   f.inflight.push_back(std::move(f.open));
   f.open.clear();
 }
 
 template <int kPending>
 inline void cp_async_wait() {
-  emu::Fiber& f = emu::self();
+  emu_int4::ThreadState& f = emu_int4::me();
   while (f.inflight.size() > static_cast<size_t>(kPending)) {
-    emu::complete(f.inflight.front());
+    emu_int4::complete(f.inflight.front());
     f.inflight.pop_front();
   }
 }
@@ -64,21 +144,22 @@ inline float element(const __half*, uint32_t bits16) {
 template <typename T>
 inline void mma_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  emu::Fiber& f = emu::self();
-  emu::MmaSlot& mine = emu::rt.mma[warp][f.mma_parity][lane];
+  emu_int4::ThreadState& f = emu_int4::me();
+  emu_int4::MmaSlot& mine = emu_int4::mma[warp][f.mma_parity][lane];
   std::memcpy(mine.a, a, sizeof mine.a);
   mine.b[0] = b0;
   mine.b[1] = b1;
   // Two slot sets alternate: a lane can overwrite this set only after the next mma's
   // barrier, which every lane reaches only after reading this one.
-  emu::barrier(emu::rt.warp_count[warp], emu::rt.warp_gen[warp], 32);
+  emu::Warp& w = emu::rt.warps[warp];
+  emu::barrier(w.count, w.gen, 32, "mma.sync");
   const int parity = f.mma_parity;
   f.mma_parity ^= 1;
   // The first lane through decodes the warp's operands for everyone (same barrier epoch).
-  emu::MmaOperands& op = emu::rt.mma_ops[warp][parity];
-  if (op.epoch != emu::rt.warp_gen[warp]) {
-    op.epoch = emu::rt.warp_gen[warp];
-    const emu::MmaSlot* s = emu::rt.mma[warp][parity];
+  emu_int4::MmaOperands& op = emu_int4::mma_ops[warp][parity];
+  if (op.epoch != w.gen) {
+    op.epoch = w.gen;
+    const emu_int4::MmaSlot* s = emu_int4::mma[warp][parity];
     for (int l = 0; l < 32; ++l) {
       const int gid = l / 4, tig = l % 4;
       for (int i = 0; i < 8; ++i) {

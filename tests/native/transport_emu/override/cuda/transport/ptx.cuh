@@ -1,0 +1,70 @@
+// Host stand-in for csrc/cuda/transport/ptx.cuh (same functions, same signatures), found
+// first through -iquote by the emulation build.
+//
+// The PTX orderings map to GCC's __atomic builtins with the same orderings: ld.acquire.sys
+// -> acquire load, ld.relaxed.sys / st.relaxed.sys -> relaxed, st.release.sys -> release
+// store, fence.acq_rel.sys -> acq_rel fence. Every rank is a process and all segments are
+// shared mappings, so these are the C++ memory model's guarantees between processes on
+// one CPU; on x86 they are plain loads and stores, i.e. stronger than PCIe gives (the
+// model cannot show a missing fence). The accesses must be naturally aligned, as in PTX.
+// %globaltimer is CLOCK_MONOTONIC; %lanemask_lt comes from threadIdx.x.
+#pragma once
+
+#include <time.h>
+
+#include <cstdint>
+#include <string>
+
+#include "emu_cuda.h"
+
+namespace pa2a::cuda {
+
+inline void emu_check_aligned(const void* p, uintptr_t n, const char* what) {
+  if (reinterpret_cast<uintptr_t>(p) % n != 0) emu::fail(std::string(what) + " misaligned");
+}
+
+inline uint64_t ld_acquire_sys(const uint64_t* p) {
+  emu_check_aligned(p, 8, "ld.acquire.sys.u64");
+  return __atomic_load_n(p, __ATOMIC_ACQUIRE);
+}
+
+inline uint32_t ld_relaxed_sys(const uint32_t* p) {
+  emu_check_aligned(p, 4, "ld.relaxed.sys.u32");
+  return __atomic_load_n(p, __ATOMIC_RELAXED);
+}
+
+inline void st_release_sys(uint64_t* p, uint64_t v) {
+  emu_check_aligned(p, 8, "st.release.sys.u64");
+  __atomic_store_n(p, v, __ATOMIC_RELEASE);
+}
+
+inline void st_relaxed_sys(uint32_t* p, uint32_t v) {
+  emu_check_aligned(p, 4, "st.relaxed.sys.u32");
+  __atomic_store_n(p, v, __ATOMIC_RELAXED);
+}
+
+inline void st_relaxed_sys(uint64_t* p, uint64_t v) {
+  emu_check_aligned(p, 8, "st.relaxed.sys.u64");
+  __atomic_store_n(p, v, __ATOMIC_RELAXED);
+}
+
+inline void fence_acq_rel_sys() {
+  __atomic_thread_fence(__ATOMIC_ACQ_REL);
+}
+
+inline uint64_t globaltimer_ns() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<uint64_t>(ts.tv_sec) * 1000000000ull + static_cast<uint64_t>(ts.tv_nsec);
+}
+
+inline unsigned lanemask_lt() {
+  return (1u << (threadIdx.x % 32u)) - 1u;
+}
+
+template <typename T>
+inline T* dynamic_smem() {
+  return reinterpret_cast<T*>(emu::rt.smem);
+}
+
+}  // namespace pa2a::cuda

@@ -1,0 +1,683 @@
+"""The CUDA transport executed on the CPU: kernels *and* host code, compared bit for bit.
+
+No GPU here, so ``csrc/cuda/transport/{kernels.cu, cuda_transport.cu}`` are compiled with
+the host C++ compiler against a CUDA execution model (``tests/native/emu``: one fiber per
+CUDA thread, real block barriers and warp collectives, shared memory that starts as
+garbage; a fake runtime whose device memory is an arena shared by forked rank processes
+the way CUDA IPC shares it, poisoned for AddressSanitizer outside what a process may
+touch). Only ``ptx.cuh`` (the inline PTX: acquire/release loads and stores, fences,
+%globaltimer) and ``launch.cuh`` (the chevrons) are replaced. The driver
+(``tests/native/transport_emu/main.cpp``) forks one process per rank; each builds the real
+``CudaTransport``, exchanges IPC handles, opens its peers with a pair plan (P2P pairs
+through the arena, staged pairs through real POSIX shared memory) and makes the calls
+``pcie_a2a.cuda_backend`` makes, with no barrier between calls. So slot assignment, the
+warp ballots and scans, flag parity and call numbers, the abort and timeout paths, the
+copy-engine path (count, read back, pack, copy, publish) and ``open_peers``/``close``
+(nothing left allocated, mapped or registered) all run, against the same expectations
+as the GPU tests (tests/cuda_transport_cases.py, pcie_a2a.reference), exactly.
+
+The mutation test shows that plausible slips in the kernels (slot parity, slot order,
+ballot rank, warp scan, last-block publish, copy-engine parity, ...) fail here. A reversed
+summation order is not among them: with these inputs its sums round the same.
+
+What it cannot show: memory ordering across real PCIe (the model is sequentially
+consistent within the CPU; a missing fence is invisible), true concurrency of the warps
+of a block (they interleave only at barriers and warp collectives), timing, and the
+compiled SASS.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+try:
+    import cuda_transport_cases as C
+except ImportError:  # pragma: no cover - run from another directory
+    from tests import cuda_transport_cases as C
+
+ROOT = Path(__file__).resolve().parents[1]
+CSRC = ROOT / "csrc"
+EMU = Path(__file__).resolve().parent / "native" / "transport_emu"
+MODEL = Path(__file__).resolve().parent / "native" / "emu"
+SOURCES = ("kernels.cu", "cuda_transport.cu", "ptx.cuh", "launch.cuh", "device_protocol.cuh")
+SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined"]
+ERR_TIMEOUT, ERR_PEER, ERR_ABORTED = 1, 2, 3  # pa2a::Error::Kind
+SHORT_TIMEOUT_MS = 400  # the timeout of steps where a peer never comes
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+
+
+def _units(csrc: Path) -> list[tuple[Path, list[str]]]:
+    # kernels.o: -fdata-sections puts every static __shared__ variable in its own section,
+    # which emu_shared.ld collects (the model refills them with garbage per block).
+    return [
+        (csrc / "cuda" / "transport" / "kernels.cu", ["-x", "c++", "-fdata-sections"]),
+        (csrc / "cuda" / "transport" / "cuda_transport.cu", ["-x", "c++"]),
+        (csrc / "core" / "dispatch_layout.cpp", []),
+        (csrc / "core" / "numa_memory.cpp", []),
+        (EMU / "main.cpp", []),
+    ]
+
+
+def _flags(csrc: Path, sanitize: bool) -> list[str]:
+    f = ["-std=c++17", "-fno-strict-aliasing", "-ffp-contract=off"]
+    f += ["-Wno-unknown-pragmas", "-fno-omit-frame-pointer"]
+    f += ["-iquote", str(EMU / "override"), "-I", str(EMU / "include"), "-I", str(MODEL)]
+    return f + ["-I", str(csrc)] + (SANITIZE if sanitize else [])
+
+
+def _sanitizer_works(cxx: str, tmp: Path) -> bool:
+    src = tmp / "probe.cpp"
+    src.write_text("int main() { return 0; }\n")
+    r = subprocess.run([cxx, *SANITIZE, str(src), "-o", str(tmp / "probe")], capture_output=True)
+    return r.returncode == 0
+
+
+def build_emulator(
+    out: Path,
+    csrc: Path = CSRC,
+    base: Path | None = None,
+    rebuild: tuple[str, ...] = (),
+    fast: bool = True,
+) -> Path:
+    """Compiles the transport and the driver into ``out``/transport_emu (sanitized, -O1).
+    With ``base`` (a previous build's directory) only the sources named in ``rebuild`` are
+    compiled again and linked with base's other objects (the mutation builds): quickly
+    (-O0, no sanitizer) if ``fast``, else like base."""
+    cxx = _compiler()
+    out.mkdir(parents=True, exist_ok=True)
+    if base is None:
+        sanitize = _sanitizer_works(cxx, out)
+        units, flags = _units(csrc), [*_flags(csrc, sanitize), "-O1", "-g"]
+    else:
+        sanitize = (base / "sanitized").exists()
+        units = [u for u in _units(csrc) if u[0].name in rebuild]
+        slow = [*_flags(csrc, sanitize), "-O1", "-g"]
+        flags = [*_flags(csrc, False), "-O0", "-g0"] if fast else slow
+
+    def compile_one(unit):
+        src, extra = unit
+        obj = out / (src.name.split(".")[0] + ".o")
+        r = subprocess.run([cxx, *flags, *extra, "-c", str(src), "-o", str(obj)],
+                           capture_output=True, text=True)  # fmt: skip
+        if r.returncode != 0:
+            raise RuntimeError(f"emulator build failed ({src.name}):\n{r.stderr[-4000:]}")
+        return obj
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        objs = list(pool.map(compile_one, units))
+    if base is not None:
+        built = {o.name for o in objs}
+        objs += [base / n for n in _objects() if n not in built]
+    if sanitize:
+        (out / "sanitized").touch()
+    binary = out / "transport_emu"
+    link = [cxx, *(SANITIZE if sanitize else []), *map(str, objs), "-o", str(binary)]
+    r = subprocess.run([*link, f"-Wl,-T,{EMU / 'emu_shared.ld'}", "-lrt", "-lpthread"],
+                       capture_output=True, text=True)  # fmt: skip
+    if r.returncode != 0:  # a linker without INSERT scripts: shared memory starts zeroed
+        r = subprocess.run([*link, "-lrt", "-lpthread"], capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"emulator link failed:\n{r.stderr[-4000:]}")
+    return binary
+
+
+def _objects() -> list[str]:
+    return [u[0].name.split(".")[0] + ".o" for u in _units(CSRC)]
+
+
+@pytest.fixture(scope="session")
+def emulator(tmp_path_factory) -> Path:
+    if _compiler() is None:
+        pytest.skip("no host C++ compiler (c++/g++) to build the transport emulation")
+    if sys.platform != "linux":
+        pytest.skip("the emulation's rank processes share memory the Linux way (prctl, shm)")
+    if not all((CSRC / "cuda" / "transport" / s).is_file() for s in SOURCES):
+        pytest.skip("the CUDA transport sources are not in this checkout")
+    return build_emulator(tmp_path_factory.mktemp("transport_emu"))
+
+
+# ---- scenarios -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Scenario:
+    case: C.Case
+    # one call sequence per step: ll_rows, ll_em, normal (+ "_raw": fp8 rows as raw bytes),
+    # or KIND:WHO with KIND in abort, abort_combine, abort_silent, skip, mismatch,
+    # count_mismatch (see tests/native/transport_emu/main.cpp)
+    steps: tuple[str, ...]
+    timeout_ms: int = 20_000
+    schedule: int = 0  # EMU_SCHEDULE: shuffled block and thread order
+
+    @property
+    def name(self) -> str:
+        return self.case.name
+
+
+def _dispatch_slot(case: C.Case) -> int:
+    """wire_format.h's slot, derived independently: header, ids, weights, payload."""
+
+    def a(n: int) -> int:
+        return (n + 15) // 16 * 16
+
+    head = 16 + 2 * a(4 * case.num_topk)
+    if case.payload == "fp8":
+        return head + a(case.hidden) + a(4 * (case.hidden // 128))
+    return head + a(2 * case.hidden)
+
+
+def _calls(kind: str) -> int:
+    """Call numbers a step consumes (every rank, whoever skips or aborts)."""
+    return 1 if kind in ("abort", "abort_combine", "abort_silent", "skip", "mismatch") else 2
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _y(case: C.Case, kind: str, step: int, rank: int) -> torch.Tensor | None:
+    """The combine input a rank's expert would produce from the *expected* received rows."""
+    exp = C.expected(case, step)[rank]
+    w, m, h = case.world, case.max_tokens, case.hidden
+    dtype = C.DTYPES[case.dtype][0]
+    if kind == "normal":
+        return C.rows_fn(exp.x, rank)
+    if kind == "ll_rows":
+        y = torch.zeros(w * m, h, dtype=dtype)
+        for s in range(w):
+            sel = (exp.src_rank == s).nonzero().flatten()
+            y[s * m : s * m + sel.numel()] = C.rows_fn(exp.x[sel], rank)
+        return y
+    if kind == "ll_em":
+        e_local = C.placement(case).num_local_experts(rank)
+        y = torch.zeros(e_local, w * m, h, dtype=dtype)
+        for e, rows in enumerate(C.expert_lists(exp, e_local)):
+            if rows:
+                y[e, : len(rows)] = C.em_fn(exp.x[rows], e)
+        return y
+    return None
+
+
+def _ce_bytes(case: C.Case, slot: int) -> int:
+    limit = C.ce_min_bytes(case, slot)
+    return -1 if limit is None else limit
+
+
+def write_scenario(sc: Scenario, d: Path) -> None:
+    case, w = sc.case, sc.case.world
+    pl = C.placement(case)
+    offset, ranks, local = pl.csr()
+    plan = C.pair_plan(case) or [["p2p"] * w for _ in range(w)]
+    lines = [
+        f"config {w} {case.hidden} {case.max_tokens} {case.num_topk} "
+        f"{C.PAYLOADS[case.payload]} {C.DTYPES[case.dtype][1]} 32",
+        f"offset {len(offset)} " + " ".join(map(str, offset)),
+        f"replica_rank {len(ranks)} " + " ".join(map(str, ranks)),
+        f"replica_local {len(local)} " + " ".join(map(str, local)),
+        "local_experts " + " ".join(str(pl.num_local_experts(r)) for r in range(w)),
+    ]
+    for r in range(w):
+        lines.append(f"send {r} " + " ".join("1" if v == "staged" else "0" for v in plan[r]))
+        lines.append(f"order {r} " + " ".join(map(str, C.send_order(case)[r])))
+    ce_d = _ce_bytes(case, _dispatch_slot(case))
+    ce_c = _ce_bytes(case, 2 * case.hidden)
+    for i, step in enumerate(sc.steps):
+        kind, _, who = step.partition(":")
+        raw = kind.endswith("_raw")
+        kind = kind.removesuffix("_raw")
+        lines.append(
+            f"step {i} {kind} {who or -1} {ce_d} {ce_c} {int(raw)} "
+            f"{SHORT_TIMEOUT_MS if kind in ('skip', 'abort_silent') else sc.timeout_ms}"
+        )
+        for r in range(w):
+            x, ids, wts = C.inputs(case, r, i)
+            lines.append(f"shape {i} {r} {x.shape[0]} {ids.shape[1]}")
+            (d / f"s{i}.r{r}.x").write_bytes(_bytes(x))
+            (d / f"s{i}.r{r}.ids").write_bytes(_bytes(ids.to(torch.int32)))
+            (d / f"s{i}.r{r}.w").write_bytes(_bytes(wts.float()))
+            y = _y(case, kind, i, r)
+            if y is not None:
+                (d / f"s{i}.r{r}.y").write_bytes(_bytes(y))
+    (d / "case.txt").write_text("\n".join(lines) + "\n")
+
+
+class EmulatorError(RuntimeError):
+    pass
+
+
+def run_scenario(binary: Path, sc: Scenario, d: Path) -> float:
+    d.mkdir(parents=True, exist_ok=True)
+    write_scenario(sc, d)
+    env = dict(
+        os.environ,
+        ASAN_OPTIONS="detect_leaks=0:abort_on_error=0",
+        UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1",
+        EMU_SCHEDULE=str(sc.schedule),
+    )
+    t0 = time.monotonic()
+    r = subprocess.run([str(binary), str(d)], capture_output=True, text=True, env=env, timeout=300)
+    if r.returncode != 0:
+        err = "\n".join(ln for ln in r.stderr.splitlines() if "swapcontext" not in ln)
+        raise EmulatorError(f"{sc.name}: exit status {r.returncode}:\n{err[-6000:]}")
+    return time.monotonic() - t0
+
+
+# ---- reading the results ---------------------------------------------------------------------
+class Out:
+    def __init__(self, d: Path, step: int, rank: int):
+        self.d, self.step, self.rank = d, step, rank
+        self.log: dict[str, str] = {}
+        txt = d / f"s{step}.r{rank}.txt"
+        for line in txt.read_text().splitlines() if txt.exists() else []:
+            key, _, value = line.partition(" ")
+            self.log[key] = value
+
+    def __call__(self, name: str, dtype: torch.dtype, *shape: int) -> torch.Tensor:
+        data = bytearray((self.d / f"s{self.step}.r{self.rank}.{name}").read_bytes())
+        if not data:
+            return torch.empty(*shape, dtype=dtype)
+        return torch.frombuffer(data, dtype=torch.uint8).view(dtype).reshape(*shape)
+
+    def error(self) -> tuple[int, str] | None:
+        if "error" not in self.log:
+            return None
+        kind, _, msg = self.log["error"].partition(" ")
+        return int(kind), msg
+
+
+def _check_send_side(case: C.Case, step: int, rank: int, o: Out, exp_all) -> None:
+    """send_count / send_token: slot j of destination d is the j-th token of this rank,
+    in token order, with an expert on d (what combine_recv's binary search relies on)."""
+    w, m = case.world, case.max_tokens
+    send_count = o("send_count", torch.int32, w).tolist()
+    send_token = o("send_token", torch.int32, w, m)
+    for d in range(w):
+        mine = exp_all[d].src_token[exp_all[d].src_rank == rank]
+        assert send_count[d] == mine.numel(), f"send_count[{d}]"
+        assert torch.equal(send_token[d, : mine.numel()], mine), f"send_token[{d}]"
+
+
+def _check_rows_step(case: C.Case, kind: str, raw: bool, step: int, rank: int, o: Out) -> None:
+    w, m, h, k = case.world, case.max_tokens, case.hidden, case.num_topk
+    dtype = C.DTYPES[case.dtype][0]
+    exp_all = C.expected(case, step)
+    exp = exp_all[rank]
+    t = C.tokens(case, rank)
+    n = w * m if kind == "ll_rows" else exp.x.shape[0]
+    b = {
+        "counts": o("counts", torch.int32, w),
+        "src_rank": o("src_rank", torch.int32, n),
+        "src_token": o("src_token", torch.int32, n),
+        "ids_o": o("ids_o", torch.int32, n, k),
+        "ws_o": o("ws_o", torch.float32, n, k),
+        "per_expert": o("per_expert", torch.int32, C.placement(case).num_local_experts(rank)),
+        "out": o("out", dtype, t, h),
+    }
+    if raw:
+        b["fp8"] = o("fp8", torch.uint8, n, h)
+        b["scales"] = o("scales", torch.float32, n, h // 128)
+    else:
+        b["xo"] = o("xo", dtype, n, h)
+    _check_send_side(case, step, rank, o, exp_all)
+    if kind == "ll_rows":
+        C.check_ll_rows(case, rank, step, b, t)
+        return
+    assert b["counts"].tolist() == [int((exp.src_rank == s).sum()) for s in range(w)]
+    assert torch.equal(b["src_rank"], exp.src_rank)
+    assert torch.equal(b["src_token"], exp.src_token)
+    assert torch.equal(b["ids_o"], exp.topk_ids)
+    assert torch.equal(b["ws_o"], exp.topk_weights)
+    assert b["per_expert"].tolist() == exp.tokens_per_expert
+    C.assert_rows(case, exp, b.get("xo"), b.get("fp8"), b.get("scales"), step)
+    want = C.combined(case, step, [C.rows_fn(e.x, r) for r, e in enumerate(exp_all)])
+    assert torch.equal(C.bits(b["out"]), C.bits(want[rank])), "combined output differs"
+    if case.copy_engine != "off":  # exactly the pairs at or over the threshold
+        counts = b["counts"].tolist()
+        send_count = o("send_count", torch.int32, w).tolist()
+        dslot, cslot = map(int, o.log["slots"].split())
+        assert (dslot, cslot) == (_dispatch_slot(case), 2 * h), "slot sizes"
+        for key, ns, slot in (("ce_dispatch", send_count, dslot), ("ce_combine", counts, cslot)):
+            limit = C.ce_min_bytes(case, slot)
+            want_mask = sum(1 << r for r, c in enumerate(ns) if c > 0 and c * slot >= limit)
+            assert int(o.log[key]) == want_mask, f"{key} mask"
+
+
+def _check_em_step(case: C.Case, raw: bool, step: int, rank: int, o: Out) -> None:
+    w, m, h, k = case.world, case.max_tokens, case.hidden, case.num_topk
+    cap = w * m
+    dtype = C.DTYPES[case.dtype][0]
+    e_local = C.placement(case).num_local_experts(rank)
+    exp_all = C.expected(case, step)
+    exp = exp_all[rank]
+    b = {
+        "per_expert": o("per_expert", torch.int32, e_local),
+        "src_info": o("src_info", torch.int32, e_local, cap),
+        "layout_range": o("layout_range", torch.int64, e_local, w),
+    }
+    if raw:
+        b["fp8"] = o("fp8", torch.uint8, e_local, cap, h)
+        b["scales"] = o("scales", torch.float32, e_local, cap, h // 128)
+    else:
+        b["xo"] = o("xo", dtype, e_local, cap, h)
+    C.check_expert_major(case, rank, step, b)
+    _check_send_side(case, step, rank, o, exp_all)
+    counts = o("counts", torch.int32, w).tolist()
+    assert counts == [int((exp.src_rank == s).sum()) for s in range(w)], "counts differ"
+    # per received row (s, j): its experts, weights and positions in the expert lists
+    row_experts = o("row_experts", torch.int32, w, m, k)
+    row_weights = o("row_weights", torch.float32, w, m, k)
+    expert_pos = o("expert_pos", torch.int32, w, m, k)
+    reduced = o("reduced", dtype, w, m, h)
+    lists = C.expert_lists(exp, e_local)
+    partial = C.pre_reduced(exp, dtype)
+    for s in range(w):
+        rows = (exp.src_rank == s).nonzero().flatten().tolist()
+        ids = exp.topk_ids[rows]
+        assert torch.equal(row_experts[s, : len(rows)], ids), "row_experts differ"
+        assert torch.equal(row_weights[s, : len(rows)], exp.topk_weights[rows])
+        pos = torch.tensor(
+            [[lists[e].index(i) if e >= 0 else -1 for e in ids[j].tolist()] for j, i in
+             enumerate(rows)],
+            dtype=torch.int32,
+        ).reshape(len(rows), k)  # fmt: skip
+        assert torch.equal(expert_pos[s, : len(rows)], pos), "expert_pos differ"
+        assert bool((row_experts[s, len(rows) :] == -1).all())
+        assert bool((row_weights[s, len(rows) :] == 0).all())
+        assert bool((expert_pos[s, len(rows) :] == -1).all())
+        assert torch.equal(C.bits(reduced[s, : len(rows)]), C.bits(partial[rows])), "reduced"
+    want = C.combined(case, step, C.em_partials(case, step))[rank]
+    out = o("out", dtype, C.tokens(case, rank), h)
+    assert torch.equal(C.bits(out), C.bits(want)), "expert-major combine differs"
+
+
+def check_scenario(sc: Scenario, d: Path) -> None:
+    case = sc.case
+    seq = 0
+    for i, step in enumerate(sc.steps):
+        kind, _, who_s = step.partition(":")
+        raw = kind.endswith("_raw")
+        kind = kind.removesuffix("_raw")
+        who = int(who_s) if who_s else -1
+        first = seq + 1  # the call number of the step's first call
+        seq += _calls(kind)
+        for r in range(case.world):
+            o = Out(d, i, r)
+            err = o.error()
+            where = f"{sc.name} step {i} ({step}) rank {r}"
+            try:
+                if kind in ("ll_rows", "normal"):
+                    assert err is None, err
+                    _check_rows_step(case, kind, raw, i, r, o)
+                elif kind == "ll_em":
+                    assert err is None, err
+                    _check_em_step(case, raw, i, r, o)
+                elif kind in ("abort", "abort_combine"):
+                    op = "dispatch" if kind == "abort" else "combine"
+                    if r == who:
+                        assert err is None, err
+                    else:
+                        assert err is not None and err[0] == ERR_ABORTED, err
+                        assert f"rank {who} aborted {op} (call {first})" in err[1], err
+                elif kind == "skip":
+                    if r != who:
+                        assert err is not None and err[0] == ERR_TIMEOUT, err
+                        assert f"rank {r} timed out" in err[1], err
+                        assert f"(call {first}) waiting for rank {who}" in err[1], err
+                        # every receive block of the missing source gives up once the first
+                        # one timed out (not one 400 ms timeout per block)
+                        assert int(o.log["elapsed_ms"]) < 1500, o.log
+                elif kind == "abort_silent":
+                    silent = case.world - 1
+                    if r != silent:
+                        assert err is not None and err[0] == ERR_TIMEOUT, err
+                        assert f"(call {first}) waiting for rank {silent}" in err[1], err
+                elif kind == "count_mismatch":
+                    sent = C.expected(case, i)[who].src_rank.tolist()
+                    victim = next(d for d in range(case.world) if d != who and d in sent)
+                    if r == victim:
+                        assert err is not None and err[0] == ERR_PEER, err
+                        assert (
+                            f"rank {who} returned a different number of rows in combine "
+                            f"(call {first + 1})" in err[1]
+                        ), err
+                    else:
+                        assert err is None, err
+                elif kind == "mismatch":
+                    assert err is not None and err[0] == ERR_PEER, err
+                    assert "is in another call" in err[1], err
+            except AssertionError as exc:
+                raise AssertionError(f"{where}: {exc}") from exc
+
+
+# ---- the table -------------------------------------------------------------------------------
+def S(name: str, world: int, steps: str, **kw) -> Scenario:
+    sc = {k: kw.pop(k) for k in ("timeout_ms", "schedule") if k in kw}
+    return Scenario(C.Case(name, world, "emu", **kw), tuple(steps.split()), **sc)
+
+
+SCENARIOS = [
+    # one rank: every row goes to itself (own segment, no IPC)
+    S("w1_bf16", 1, "ll_rows normal ll_em", seed=30),
+    # both parities and their reuse, normal and low-latency calls interleaved
+    S("w2_bf16_p2p", 2, "normal ll_rows normal ll_rows", seed=31),
+    S("w2_fp8_staged_raw", 2, "normal_raw ll_rows ll_em_raw", payload="fp8",
+      transport="staged", hidden=384, seed=32),
+    S("w4_fp16_mixed_reversed", 4, "ll_rows ll_rows ll_rows", dtype="fp16", payload="fp16",
+      transport="mixed", order="reversed", max_tokens=37, seed=33),
+    S("w4_fp8_em_redundant_top8", 4, "ll_em ll_em ll_em", payload="fp8", experts=16, topk=8,
+      num_topk=8, hidden=384, placement="redundant", seed=34),
+    S("w4_bf16_ce_all_staged", 4, "normal normal", copy_engine="all", transport="staged",
+      placement="random", experts=16, seed=35),
+    S("w4_fp16_ce_mixed", 4, "normal normal_raw", dtype="fp16", payload="fp8",
+      copy_engine="mixed", transport="mixed", experts=16, topk=6, num_topk=6, seed=36),
+    S("w4_sparse_placement", 4, "ll_em normal ll_rows count_mismatch:2", placement="sparse",
+      experts=12, max_tokens=20, seed=37),
+    # eight ranks; the smallest rows (one 16-byte vector) and a single receive block; the
+    # largest num_topk (two ballot rounds, 64 expert slots per row)
+    S("w8_mixed", 8, "ll_rows normal ll_em", experts=16, topk=4, max_tokens=10,
+      transport="mixed", seed=50),
+    S("w2_tiny_rows", 2, "ll_rows normal ll_em ll_rows", hidden=8, max_tokens=5, topk=2,
+      num_topk=2, experts=4, seed=51),
+    S("w2_topk64_fp8", 2, "ll_em normal ll_rows", experts=64, topk=64, num_topk=64,
+      max_tokens=8, hidden=128, payload="fp8", seed=52),
+    S("w2_topk1_shuffled", 2, "ll_rows ll_em normal", topk=1, num_topk=1, experts=4,
+      max_tokens=50, schedule=7, seed=38),
+    S("w4_abort_then_reuse", 4, "normal abort:2 ll_rows abort_combine:1 ll_em",
+      transport="mixed", experts=16, schedule=11, seed=39),
+    # prefill sizes: several tokens per dispatch block, many receive blocks per source
+    S("w2_prefill_ce_mixed", 2, "normal ll_rows normal", max_tokens=300, copy_engine="mixed",
+      experts=16, seed=43),
+    S("w2_timeout", 2, "ll_rows skip:1", max_tokens=80, seed=40),
+    S("w2_op_mismatch", 2, "normal mismatch:1", seed=41),
+    S("w3_abort_silent_peer", 3, "ll_em abort_silent:0", experts=9, seed=42),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("sc", SCENARIOS, ids=[s.name for s in SCENARIOS])
+def test_transport_matches_reference(emulator, tmp_path, sc):
+    run_scenario(emulator, sc, tmp_path)
+    check_scenario(sc, tmp_path)
+
+
+# ---- the emulation catches kernel and host-code mistakes ----------------------------------
+# Each mutation is a plausible slip (file under csrc/cuda/transport, exact text,
+# replacement) and the scenario that must then fail (wrong bytes, a wrong error, a
+# timeout, an emulation fault). The scenarios run with short timeouts.
+MUTATIONS = [
+    # dispatch rows stored in the other parity's slots than the receiver reads
+    (
+        "kernels.cu",
+        ": dispatch_slot(k, k.peers->send_base[d], static_cast<int>(t.parity), k.rank, j);",
+        ": dispatch_slot(k, k.peers->send_base[d], static_cast<int>(t.seq & 1u), k.rank, j);",
+        "w2_bf16_p2p",
+    ),
+    # slots of a destination assigned in reverse token order within a block
+    (
+        "kernels.cu",
+        "    for (int i = 0; i < ntok; ++i) {\n      if (!((mask[i] >> d) & 1ull)) continue;",
+        "    for (int i = ntok - 1; i >= 0; --i) {\n      if (!((mask[i] >> d) & 1ull)) continue;",
+        "w2_bf16_p2p",
+    ),
+    # a row's experts ranked from the top lane down in the ballot
+    (
+        "kernels.cu",
+        "const int at = n + __popc(bal & lanemask_lt());",
+        "const int at = n + __popc(bal) - 1 - __popc(bal & lanemask_lt());",
+        "w2_bf16_p2p",
+    ),
+    # the expert-major warp scan adds every shuffled value (lanes below the offset too)
+    ("kernels.cu", "if (lane >= o) incl += v;", "incl += v;", "w1_bf16"),
+    # the first block to finish publishes the flags instead of the last one
+    (
+        "kernels.cu",
+        "last = atomicAdd(arrive, 1u) == gridDim.x * gridDim.y - 1;",
+        "last = atomicAdd(arrive, 1u) == 0;",
+        "w2_bf16_p2p",
+    ),
+    # fp8 dequantisation with the scale of the wrong 128-channel group
+    (
+        "kernels.cu",
+        "dequant16<kDT>(q[v], sc[(v * 16) / kFp8GroupSize], o, o + 1);",
+        "dequant16<kDT>(q[v], sc[v / kFp8GroupSize], o, o + 1);",
+        "w2_fp8_staged_raw",
+    ),
+    # expert-major: a source's rows placed after its own rows instead of the earlier sources'
+    ("kernels.cu", "      if (r < s) b += v;", "      if (r <= s) b += v;", "w3_abort_silent_peer"),
+    # the row counter of a dispatch block is not zeroed (shared memory starts as garbage)
+    ("kernels.cu", "  if (tid == 0) nrows = 0;\n", "", "w2_bf16_p2p"),
+    # low-latency rows past a source's count are left unmarked
+    (
+        "kernels.cu",
+        "const int j1 = min(j0 + kRowsPerBlock, wait ? M : n);",
+        "const int j1 = min(j0 + kRowsPerBlock, n);",
+        "w2_bf16_p2p",
+    ),
+    # an abort recorded first hides a peer that never came
+    (
+        "device_protocol.cuh",
+        "if (old == 0 || (error_code(old) == DeviceError::kAborted && code != DeviceError::kAborted))",
+        "if (old == 0)",
+        "w3_abort_silent_peer",
+    ),
+    # every receive block waits out its own full timeout after the first one expired
+    ("device_protocol.cuh", "      if (timed_out_elsewhere(err)) return -1;\n", "", "w2_timeout"),
+    # host: a staged sender's rows are looked for in the receiver's device segment
+    (
+        "cuda_transport.cu",
+        "table_.recv_base[r] = host_seg_dev_;",
+        "table_.recv_base[r] = dev_seg_;",
+        "w2_fp8_staged_raw",
+    ),
+    # host: close() forgets a device buffer (the model lists what a rank still holds)
+    ("cuda_transport.cu", "  (void)cudaFree(cnt_ws_);\n", "", "w1_bf16"),
+    # host: the copy-engine transfer lands in the other parity's slots
+    (
+        "cuda_transport.cu",
+        "layout_.dispatch_off + slot_offset(config_, static_cast<int>(t.parity), rank_, 0, slot);",
+        "layout_.dispatch_off + slot_offset(config_, 1 - static_cast<int>(t.parity), rank_, 0, slot);",
+        "w4_bf16_ce_all_staged",
+    ),
+]  # fmt: skip
+
+_BY_NAME = {s.name: s for s in SCENARIOS}
+
+
+def _mutant(base: Path, tmp: Path, n: int, mutations=MUTATIONS, fast: bool = True) -> Path:
+    fname, old, new, _ = mutations[n]
+    tree = tmp / f"m{n}" / "csrc"
+    for sub in ("core", "cuda/transport"):
+        shutil.copytree(CSRC / sub, tree / sub)
+    path = tree / "cuda" / "transport" / fname
+    text = path.read_text()
+    assert text.count(old) == 1, f"mutation {n}: {old!r} not found exactly once in {fname}"
+    path.write_text(text.replace(old, new))
+    rebuild = ("kernels.cu", "cuda_transport.cu") if fname.endswith(".cuh") else (fname,)
+    return build_emulator(tmp / f"m{n}" / "build", tree, base=base, rebuild=rebuild, fast=fast)
+
+
+def test_emulation_catches_mutations(emulator, tmp_path):
+    """Build the emulator against mutated copies of the sources: every one must fail."""
+    base = emulator.parent
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        binaries = list(pool.map(lambda n: _mutant(base, tmp_path, n), range(len(MUTATIONS))))
+    missed = []
+    for n, ((fname, old, new, name), binary) in enumerate(zip(MUTATIONS, binaries)):
+        sc = dataclasses.replace(_BY_NAME[name], timeout_ms=2000)
+        d = tmp_path / f"m{n}" / "run"
+        try:
+            run_scenario(binary, sc, d)
+            check_scenario(sc, d)
+        except (AssertionError, EmulatorError):
+            continue
+        missed.append(f"{fname}: {old!r} -> {new!r}")
+    assert not missed, "mutations the emulation did not detect:\n" + "\n".join(missed)
+
+
+# Faults the hardware would raise (or silently corrupt memory with) and the model's
+# sanitizers report: (file, text, replacement, scenario, what the report must say).
+FAULTS = [
+    # a row header stored 4 bytes off its 16-byte slot alignment (a misaligned vector store)
+    (
+        "kernels.cu",
+        "if (lane == 0) *reinterpret_cast<int4*>(slot) = make_int4(tok, n, k.rank, 0);",
+        "if (lane == 0) *reinterpret_cast<int4*>(slot + 4) = make_int4(tok, n, k.rank, 0);",
+        "w2_bf16_p2p",
+        "misaligned address",
+    ),
+    # one element past an output buffer (ASan: the arena outside live allocations)
+    (
+        "kernels.cu",
+        "    if (lane == 0) src_rank[i] = src_token[i] = -1;\n",
+        "    if (lane == 0) src_rank[i] = src_token[i + 1] = -1;\n",
+        "w2_bf16_p2p",
+        "AddressSanitizer",
+    ),
+]  # fmt: skip
+
+
+def test_sanitizers_report_faults(emulator, tmp_path):
+    """Misaligned vector accesses and out-of-bounds device accesses are reported."""
+    base = emulator.parent
+    if not (base / "sanitized").exists():
+        pytest.skip("the host compiler cannot build with AddressSanitizer/UBSan")
+    mutations = [f[:4] for f in FAULTS]
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        binaries = list(
+            pool.map(lambda n: _mutant(base, tmp_path, n, mutations, False), range(len(FAULTS)))
+        )
+    for n, ((*_, name, report), binary) in enumerate(zip(FAULTS, binaries)):
+        with pytest.raises(EmulatorError, match=report):
+            run_scenario(binary, _BY_NAME[name], tmp_path / f"m{n}" / "run")
+
+
+def test_emulated_sources_are_the_transport():
+    """The emulation replaces ptx.cuh and launch.cuh only: no inline PTX and no chevron
+    launch elsewhere in csrc/cuda/transport, and the stand-ins define the same functions."""
+    for path in (CSRC / "cuda" / "transport").iterdir():
+        if path.name in ("ptx.cuh", "launch.cuh"):
+            continue
+        text = path.read_text()
+        assert not re.search(r"\basm\b", text), f"{path.name} has inline PTX outside ptx.cuh"
+        assert "<<<" not in text, f"{path.name} launches a kernel outside launch.cuh"
+    for name, fns in (
+        ("ptx.cuh", ("ld_acquire_sys", "ld_relaxed_sys", "st_release_sys", "st_relaxed_sys",
+                     "fence_acq_rel_sys", "globaltimer_ns", "lanemask_lt", "dynamic_smem")),
+        ("launch.cuh", ("launch_kernel",)),
+    ):  # fmt: skip
+        real = (CSRC / "cuda" / "transport" / name).read_text()
+        emu = (EMU / "override" / "cuda" / "transport" / name).read_text()
+        for fn in fns:
+            assert re.search(rf"\b{fn}\(", real) and re.search(rf"\b{fn}\(", emu), (name, fn)
