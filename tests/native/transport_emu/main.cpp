@@ -458,13 +458,18 @@ class Rank {
       abort_call(s, 1, 0);
       return true;
     }
+    send_and_wait(s);
+    return true;
+  }
+
+  // A normal dispatch and the host-synchronising wait for every source's flag.
+  void send_and_wait(const Step& s) {
     Send in = inputs(s);
     send(in, 1);
     Dev counts(static_cast<size_t>(W()) * 4);
     tx_.wait_counts(in.ticket->as<pc::CallTicket>(), counts.as<int32_t>(), s.timeout_s, false,
                     stream_);
     sync_check();
-    return true;
   }
 
   // `who` aborts a combine; the others return no rows (counts 0) and wait for theirs.
@@ -503,12 +508,7 @@ class Rank {
       abort_call(s, 1, 0);
       return false;
     }
-    Send in = inputs(s);
-    send(in, 1);
-    Dev counts(static_cast<size_t>(W()) * 4);
-    tx_.wait_counts(in.ticket->as<pc::CallTicket>(), counts.as<int32_t>(), s.timeout_s, false,
-                    stream_);
-    sync_check();
+    send_and_wait(s);
     return false;
   }
 
