@@ -107,11 +107,10 @@ def _check_copy_engine(tx, case: Case, counts: list[int], slot_bytes: int) -> No
     """The ranks the last normal-mode send gave to the copy engine are exactly the pairs
     at or over the threshold (so a silently disabled path fails here)."""
     limit = _ce_min_bytes(case, slot_bytes)
-    if limit is None:
-        return
-    want = [r for r, n in enumerate(counts) if n > 0 and n * slot_bytes >= limit]
-    if max(counts) * slot_bytes >= limit and max(counts) > 0:
-        assert tx.last_copy_engine_ranks == want
+    want = [
+        r for r, n in enumerate(counts) if limit is not None and n > 0 and n * slot_bytes >= limit
+    ]
+    assert tx.last_copy_engine_ranks == want
 
 
 def _cpu(b: dict) -> dict:

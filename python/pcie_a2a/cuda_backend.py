@@ -1,9 +1,9 @@
 """The CUDA transport (peer-to-peer over CUDA IPC, or staged through pinned host memory)
 behind ``Buffer(backend="cuda")``.
 
-NOT YET RUN ON A GPU: everything here and in ``csrc/cuda/transport`` has only been
-compiled; ``tests/test_cuda_transport.py`` and ``scripts/gpu_check.sh`` are the first
-check (see docs/cuda_transport.md).
+NOT YET RUN ON A GPU: everything here and in ``csrc/cuda/transport`` runs in CI only on
+the CPU model of CUDA (tests/test_cuda_transport_emulation.py); ``tests/test_cuda_transport.py``
+and ``scripts/gpu_check.sh`` are the first GPU check (see docs/cuda_transport.md).
 
 :class:`CudaTransport` has the methods the Buffer calls on the CPU ``ShmTransport``, with
 the same names and argument order, taking CUDA tensors (on this transport's device)
@@ -30,6 +30,8 @@ import torch.distributed as dist
 
 from pcie_a2a import env
 from pcie_a2a.placement import Placement
+from pcie_a2a.topology.live import cuda_bus_id
+from pcie_a2a.topology.ranks import default_send_order
 
 P2P, STAGED = 0, 1
 _OP_DISPATCH, _OP_COMBINE, _OP_LL_DISPATCH, _OP_LL_COMBINE = 1, 2, 3, 4
@@ -101,15 +103,6 @@ def device_uuid(index: int) -> str:
     return f"pci:{pci}" if None not in pci else f"index:{index}"
 
 
-def device_bus_id(index: int) -> str | None:
-    """PCI address of CUDA device `index` ("0000:41:00.0"), or None if torch lacks it."""
-    props = torch.cuda.get_device_properties(index)
-    pci = [getattr(props, f, None) for f in ("pci_domain_id", "pci_bus_id", "pci_device_id")]
-    if None in pci:
-        return None
-    return f"{pci[0]:04x}:{pci[1]:02x}:{pci[2]:02x}.0"
-
-
 def topology_rank_plan(bus_ids: list[str | None]) -> tuple[Any, str]:
     """The planner's decisions for these ranks (:class:`pcie_a2a.topology.ranks.RankPlan`)
     from PCIE_A2A_TOPO_FILE or the live machine, and a line saying where they come from;
@@ -171,21 +164,21 @@ class CudaTransport:
         device: CUDA device index (default: the current device).
         timeout_s: deadline of every device-side wait.
         pair_transport: optional ``[world][world]`` of "p2p"/"staged" (or 0/1), sender
-            first, e.g. the topology planner's decision; default from PCIE_A2A_P2P.
-        send_order: optional ``[world][world]`` destination order per sender; default
-            ``rank + 1, rank + 2, ..., rank`` (ranks do not all start at rank 0).
+            first; default: the topology plan (below).
+        send_order: optional ``[world][world]`` destination order per sender; default:
+            the planner's rounds, else ``rank + 1, rank + 2, ..., rank``.
         staging_numa: optional NUMA node of this rank's host staging memory (default:
             the topology plan's node for this receiver, else first touch).
-
-    Without ``pair_transport``/``send_order``/``staging_numa``, rank 0 plans the pairs
-    with the topology planner (PCIE_A2A_TOPO_FILE or the live machine, ranks matched to
-    GPUs by PCI address; :mod:`pcie_a2a.topology.ranks`) and every rank uses that plan;
-    a pair is P2P only if the plan and CUDA peer access both allow it. ``topology_note``
-    says where the plan came from.
         copy_engine_min_bytes: normal-mode pairs moving at least this many bytes use the
             copy engine (``cudaMemcpyAsync``), the rest warp stores; None disables it.
             Default: PCIE_A2A_COPY_ENGINE_MIN_BYTES (256 KiB). Low-latency calls always
             use warp stores (they must stay capturable and free of host synchronisation).
+
+    Rank 0 plans the pairs with the topology planner (PCIE_A2A_TOPO_FILE or the live
+    machine, PCIE_A2A_P2P / PCIE_A2A_P2P_LEVEL, ranks matched to GPUs by PCI address;
+    :mod:`pcie_a2a.topology.ranks`) and every rank uses that plan where no explicit
+    argument replaces it; a pair is P2P only if the plan and the sender's CUDA peer access
+    both allow it. ``topology_note`` says where the plan came from.
     """
 
     def __init__(
@@ -238,16 +231,22 @@ class CudaTransport:
 
         uid = f"{os.getpid()}_{secrets.token_hex(6)}"
         idx = self.device.index
-        gathered = self._gather((device_uuid(idx), device_bus_id(idx), uid))
+        gathered = self._gather((device_uuid(idx), cuda_bus_id(idx), uid))
         uuids = [g[0] for g in gathered]
         prefix = f"pcie_a2a.{gathered[0][2]}"
         names = [mod.CudaTransport.segment_name(prefix, r) for r in range(world)]
         # The topology planner decides P2P vs staged, the send order and the staging node
         # (rank 0 plans, everyone uses its plan); CUDA peer access has the last word.
-        self.topology_plan, self.topology_note = None, "explicit plan"
-        if pair_transport is None or send_order is None or staging_numa is None:
-            mine = topology_rank_plan([g[1] for g in gathered]) if rank == 0 else None
-            self.topology_plan, self.topology_note = self._gather(mine)[0]
+        # The gather is unconditional (collective): staging_numa may differ per rank.
+        mine = None
+        if rank == 0:
+            explicit = pair_transport is not None and send_order is not None
+            mine = (
+                (None, "explicit plan")
+                if explicit
+                else topology_rank_plan([g[1] for g in gathered])
+            )
+        self.topology_plan, self.topology_note = self._gather(mine)[0]
         rp = self.topology_plan
         if pair_transport is None:
             # Each sender decides its own row (only it can ask CUDA about its peers);
@@ -271,7 +270,7 @@ class CudaTransport:
         elif rp is not None:
             self.send_order = [list(o) for o in rp.send_order]
         else:
-            self.send_order = [[(s + i) % world for i in range(1, world + 1)] for s in range(world)]
+            self.send_order = [list(o) for o in default_send_order(world)]
         if staging_numa is None and rp is not None:
             staging_numa = rp.staging_numa[rank]
         need_host = any(plan[s][rank] == STAGED for s in range(world) if s != rank)
@@ -370,8 +369,8 @@ class CudaTransport:
         x [T, H] contiguous, 16-byte aligned, in the transport's dtype; topk_ids int32
         [T, k]; topk_weights fp32 [T, k]; outputs send_token int32 [world * max_tokens],
         send_count int32 [world]. Unlike the Buffer, this path does not look at the ids'
-        values (that would synchronise): ids outside [0, num_experts) are skipped, and a
-        token must not list one expert twice."""
+        values (that would synchronise): ids outside [0, num_experts) are skipped, and an
+        expert a token lists twice gets the row twice (the Buffer refuses such ids)."""
         self._launch_dispatch(ticket, op, x, topk_ids, topk_weights, send_token, send_count)
         self._advance(None, op, None)  # after the launch: a refused call consumes no number
 
@@ -390,9 +389,12 @@ class CudaTransport:
         shape = tuple(topk_ids.shape)
         _check(topk_weights, "topk_weights", self.device, (torch.float32,), shape, align=4)
 
-    def _launch_dispatch(self, ticket, op, x, topk_ids, topk_weights, send_token, send_count):
+    def _launch_dispatch(
+        self, ticket, op, x, topk_ids, topk_weights, send_token, send_count, min_bytes=None
+    ):
+        """Warp stores, or (min_bytes given) the copy-engine path for pairs that large."""
         self._check_send_inputs(x, topk_ids, topk_weights)
-        self._tx().dispatch_send(
+        args = [
             _ptr(ticket),
             op,
             _ptr(x),
@@ -402,8 +404,11 @@ class CudaTransport:
             topk_ids.shape[1],
             _ptr(send_token),
             _ptr(send_count),
-            self._stream(),
-        )
+        ]
+        if min_bytes is None:
+            self._tx().dispatch_send(*args, self._stream())
+        else:
+            self._tx().dispatch_send_ce(*args, min_bytes, self._stream())
         self._last_counts = ("send", send_count)
 
     def recv_rows_async(
@@ -495,7 +500,8 @@ class CudaTransport:
     def _launch_combine(
         self, ticket, op, y, recv_count, row_base, expert_pos, row_experts, row_weights
     ):
-        _check(y, "y", self.device, (self.dtype,), (None,) * (y.dim() - 1) + (self.hidden,))
+        rank = y.dim() if isinstance(y, torch.Tensor) else 1
+        _check(y, "y", self.device, (self.dtype,), (None,) * (rank - 1) + (self.hidden,))
         self._tx().combine_send(
             _ptr(ticket),
             op,
@@ -542,26 +548,17 @@ class CudaTransport:
         self._tx().check()
         self._dispatch_ticket = self.new_ticket()
         slot = self._tx().dispatch_slot_bytes
-        if op == _OP_DISPATCH and self._copy_engine_could_serve(num_tokens * slot):
-            self._check_send_inputs(x, topk_ids, topk_weights)
-            self._tx().dispatch_send_ce(
-                _ptr(self._dispatch_ticket),
-                op,
-                _ptr(x),
-                num_tokens,
-                _ptr(topk_ids),
-                _ptr(topk_weights),
-                topk,
-                _ptr(send_token),
-                _ptr(send_count),
-                self.copy_engine_min_bytes,
-                self._stream(),
-            )
-            self._last_counts = ("send", send_count)
-        else:
-            self._launch_dispatch(
-                self._dispatch_ticket, op, x, topk_ids, topk_weights, send_token, send_count
-            )
+        ce = op == _OP_DISPATCH and self._copy_engine_could_serve(num_tokens * slot)
+        self._launch_dispatch(
+            self._dispatch_ticket,
+            op,
+            x,
+            topk_ids,
+            topk_weights,
+            send_token,
+            send_count,
+            self.copy_engine_min_bytes if ce else None,
+        )
         self._advance(seq, op, parity)
 
     def _copy_engine_could_serve(self, largest_pair_bytes: int) -> bool:

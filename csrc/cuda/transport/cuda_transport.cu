@@ -374,6 +374,7 @@ void CudaTransport::close() {
   ce_counts_dev_ = nullptr;
   ce_host_ = nullptr;
   ce_fork_ = nullptr;
+  ce_ready_ = false;
   if (err_host_ != nullptr) (void)cudaFreeHost(err_host_);
   dev_seg_ = nullptr;
   state_ = nullptr;
@@ -456,6 +457,7 @@ void CudaTransport::dispatch_send(CallTicket* ticket, uint32_t op, const void* x
   DeviceGuard guard(device_);
   const KernelContext k = context();
   ++host_seq_;
+  last_ce_mask_ = 0;
   launch_begin_call(k, ticket, op, 0, false, stream);
   launch_dispatch_send(k, ticket, x, num_tokens, topk_ids, topk_weights, topk, qbuf_, send_token,
                        send_count, nullptr, 0, stream);
@@ -476,18 +478,28 @@ void CudaTransport::check_dispatch_args(const void* x, int32_t num_tokens, int32
 // ---- copy-engine path (normal mode) -------------------------------------------------------
 void CudaTransport::ensure_copy_engine(bool need_pack) {
   const int32_t W = config_.world;
-  if (ce_host_ == nullptr) {
-    PA2A_CUDA_CHECK(
-        cudaHostAlloc(reinterpret_cast<void**>(&ce_host_), sizeof(CeHost), cudaHostAllocPortable));
-    PA2A_CUDA_CHECK(cudaMalloc(&ce_counts_dev_, sizeof(int32_t) * W));
-    PA2A_CUDA_CHECK(cudaEventCreateWithFlags(&ce_fork_, cudaEventDisableTiming));
-    ce_streams_.assign(W, nullptr);
-    ce_join_.assign(W, nullptr);
+  // ce_ready_ is set last: a failure half way (out of memory) leaves what was made for
+  // close() to free and makes the next call try again, never run with null streams.
+  if (!ce_ready_) {
+    if (ce_host_ == nullptr)
+      PA2A_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&ce_host_), sizeof(CeHost),
+                                    cudaHostAllocPortable));
+    if (ce_counts_dev_ == nullptr)
+      PA2A_CUDA_CHECK(cudaMalloc(&ce_counts_dev_, sizeof(int32_t) * W));
+    if (ce_fork_ == nullptr)
+      PA2A_CUDA_CHECK(cudaEventCreateWithFlags(&ce_fork_, cudaEventDisableTiming));
+    ce_streams_.resize(W, nullptr);
+    ce_join_.resize(W, nullptr);
     for (int32_t r = 0; r < W; ++r) {
-      PA2A_CUDA_CHECK(cudaStreamCreateWithFlags(&ce_streams_[r], cudaStreamNonBlocking));
-      PA2A_CUDA_CHECK(cudaEventCreateWithFlags(&ce_join_[r], cudaEventDisableTiming));
+      if (ce_streams_[r] == nullptr)
+        PA2A_CUDA_CHECK(cudaStreamCreateWithFlags(&ce_streams_[r], cudaStreamNonBlocking));
+      if (ce_join_[r] == nullptr)
+        PA2A_CUDA_CHECK(cudaEventCreateWithFlags(&ce_join_[r], cudaEventDisableTiming));
     }
+    ce_ready_ = true;
   }
+  // Allocated on the first copy-engine dispatch, not at construction: prefill-sized
+  // Buffers that never reach the threshold do not pay for it (world * max_tokens slots).
   if (need_pack && pack_ == nullptr)
     PA2A_CUDA_CHECK(
         cudaMalloc(&pack_, static_cast<size_t>(W) * config_.max_tokens * layout_.dispatch_slot));
@@ -686,6 +698,7 @@ void CudaTransport::combine_send(CallTicket* ticket, uint32_t op, const void* y,
   DeviceGuard guard(device_);
   const KernelContext k = context();
   ++host_seq_;
+  last_ce_mask_ = 0;
   launch_begin_call(k, ticket, op, 1, false, stream);
   launch_combine_send(k, ticket, y, recv_count, row_base, expert_pos, row_experts, row_weights, 0,
                       stream);

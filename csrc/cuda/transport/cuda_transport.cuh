@@ -185,6 +185,7 @@ class CudaTransport {
   std::vector<cudaStream_t> ce_streams_;  // one per destination rank
   std::vector<cudaEvent_t> ce_join_;      // recorded after each destination's flag
   cudaEvent_t ce_fork_ = nullptr;         // recorded on the caller's stream before the copies
+  bool ce_ready_ = false;                 // every resource above (but pack_) exists
   uint64_t last_ce_mask_ = 0;
 };
 

@@ -283,16 +283,19 @@ def cuda_bus_ids() -> list[str] | None:
         return None
     if not torch.cuda.is_available():
         return None
-    out = []
-    for i in range(torch.cuda.device_count()):
-        p = torch.cuda.get_device_properties(i)
-        bus, dev, dom = (
-            getattr(p, k, None) for k in ("pci_bus_id", "pci_device_id", "pci_domain_id")
-        )
-        if bus is None or dev is None:
-            return None
-        out.append(f"{dom or 0:04x}:{bus:02x}:{dev:02x}.0")
-    return out
+    out = [cuda_bus_id(i) for i in range(torch.cuda.device_count())]
+    return None if None in out else out
+
+
+def cuda_bus_id(index: int) -> str | None:
+    """PCI bus id ("0000:41:00.0") of CUDA device `index`, or None if torch lacks it."""
+    import torch
+
+    p = torch.cuda.get_device_properties(index)
+    bus, dev, dom = (getattr(p, k, None) for k in ("pci_bus_id", "pci_device_id", "pci_domain_id"))
+    if bus is None or dev is None:
+        return None
+    return f"{dom or 0:04x}:{bus:02x}:{dev:02x}.0"
 
 
 _NVML_P2P_READ, _NVML_P2P_WRITE = 0, 1

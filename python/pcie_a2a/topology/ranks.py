@@ -65,6 +65,11 @@ def match_ranks(topology: Topology, rank_bus_ids: Sequence[str]) -> tuple[list[i
     return [order[b] for b in ids], "by PCI bus order (nvidia-smi index)"
 
 
+def default_send_order(world: int) -> list[tuple[int, ...]]:
+    """``rank + 1, rank + 2, ..., rank`` per sender: ranks do not all start at rank 0."""
+    return [tuple((s + i) % world for i in range(1, world + 1)) for s in range(world)]
+
+
 def _rank_order(rank: int, gpus: list[int], plan: Plan) -> tuple[int, ...] | None:
     """The planner's rounds as rank destinations when ranks and GPUs are one to one."""
     if len(set(gpus)) != len(gpus) or len(gpus) != plan.num_gpus:
@@ -92,7 +97,7 @@ def plan_ranks(topology: Topology, plan: Plan, rank_bus_ids: Sequence[str]) -> R
         )
         for s in range(world)
     )
-    default = [tuple((s + i) % world for i in range(1, world + 1)) for s in range(world)]
+    default = default_send_order(world)
     orders = tuple(_rank_order(s, gpus, plan) or default[s] for s in range(world))
     numa = tuple(topology.gpus[g].numa_node for g in gpus)
     return RankPlan(tuple(gpus), pairs, orders, numa, how)
