@@ -102,27 +102,20 @@ rm -f "$bench_log" "$log_dir/bench.json"  # no stale table from an earlier run
 ngpu=$(python -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
 if [[ "${SKIP_BENCH:-0}" == 1 ]]; then
   row "bench cuda" skipped "0s" "SKIP_BENCH=1"
-elif python -c 'import pcie_a2a.bench.cli' > /dev/null 2>&1; then
-  if timeout 120 python -m pcie_a2a bench --help > "$log_dir/bench_help.txt" 2>&1 \
-      && grep -q -- "--backend" "$log_dir/bench_help.txt"; then
-    world=$(( ngpu >= 2 ? (ngpu > 8 ? 8 : ngpu) : 2 ))
-    name="bench cuda (world=$world, gpus=$ngpu)"
-    timeout 120 python -m pcie_a2a bench --backend cuda --world "$world" --tokens 128 \
-      --iters 20 --warmup 3 --max-seconds 10 --timeout 100 \
-      --json "$log_dir/bench.json" --plot none > "$bench_log" 2>&1
-    rc=$?
-    detail=$(grep -E "dispatch\+combine p50" "$bench_log" | tail -1)
-    case $rc in
-      0) row "$name" ok "$(( $(now) - t ))s" "$detail" ;;
-      2) row "$name" skipped "$(( $(now) - t ))s" "$(tail -1 "$bench_log")" ;;
-      124) row "$name" FAIL "$(( $(now) - t ))s" "TIMEOUT after 120s ($bench_log)" ;;
-      *) row "$name" FAIL "$(( $(now) - t ))s" "rc=$rc ${detail:+(last: $detail) }($bench_log)" ;;
-    esac
-  else
-    row "bench" skipped "0s" "pcie-a2a bench has no --backend option yet"
-  fi
 else
-  row "bench" skipped "0s" "pcie_a2a.bench is not in this tree yet"
+  world=$(( ngpu >= 2 ? (ngpu > 8 ? 8 : ngpu) : 2 ))
+  name="bench cuda (world=$world, gpus=$ngpu)"
+  timeout 120 python -m pcie_a2a bench --backend cuda --world "$world" --tokens 128 \
+    --iters 20 --warmup 3 --max-seconds 10 --timeout 100 \
+    --json "$log_dir/bench.json" --plot none > "$bench_log" 2>&1
+  rc=$?
+  detail=$(grep -E "dispatch\+combine p50" "$bench_log" | tail -1)
+  case $rc in
+    0) row "$name" ok "$(( $(now) - t ))s" "$detail" ;;
+    2) row "$name" skipped "$(( $(now) - t ))s" "$(tail -1 "$bench_log")" ;;
+    124) row "$name" FAIL "$(( $(now) - t ))s" "TIMEOUT after 120s ($bench_log)" ;;
+    *) row "$name" FAIL "$(( $(now) - t ))s" "rc=$rc ${detail:+(last: $detail) }($bench_log)" ;;
+  esac
 fi
 
 # ---- summary (last) ----------------------------------------------------------------------

@@ -53,8 +53,6 @@ def _skip_reason() -> str:
 _REASON = _skip_reason()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(bool(_REASON), reason=_REASON or "n/a")]
 
-_DT = C.DTYPES
-_PAYLOAD = C.PAYLOADS
 
 CASES = [
     Case("normal_bf16_2", 2, "normal"),
@@ -78,11 +76,6 @@ CASES = [
 
 
 # ---- inputs and references: tests/cuda_transport_cases.py (shared with the emulation) ----
-_inputs = C.inputs
-_expected = C.expected
-_rows_fn = C.rows_fn
-_bits = C.bits
-_ce_min_bytes = C.ce_min_bytes
 
 
 def _plan(case: Case):
@@ -98,7 +91,7 @@ def _make(case: Case, rank: int, timeout_s: float = 30.0):
     torch.cuda.set_device(device)
     return CudaTransport(
         None, rank, case.world, case.hidden, case.max_tokens, case.num_topk,
-        _PAYLOAD[case.payload], _DT[case.dtype][1], C.placement(case), device=device,
+        C.PAYLOADS[case.payload], C.DTYPES[case.dtype][1], C.placement(case), device=device,
         timeout_s=timeout_s, pair_transport=_plan(case), copy_engine_min_bytes=None,
     )  # fmt: skip
 
@@ -106,7 +99,7 @@ def _make(case: Case, rank: int, timeout_s: float = 30.0):
 def _check_copy_engine(tx, case: Case, counts: list[int], slot_bytes: int) -> None:
     """The ranks the last normal-mode send gave to the copy engine are exactly the pairs
     at or over the threshold (so a silently disabled path fails here)."""
-    limit = _ce_min_bytes(case, slot_bytes)
+    limit = C.ce_min_bytes(case, slot_bytes)
     want = [
         r for r, n in enumerate(counts) if limit is not None and n > 0 and n * slot_bytes >= limit
     ]
@@ -120,15 +113,15 @@ def _cpu(b: dict) -> dict:
 # ---- one rank's work per mode ------------------------------------------------------------
 def _run_normal(tx, case: Case, rank: int, step: int, seq: int):
     dev = tx.device
-    dtype = _DT[case.dtype][0]
-    x, ids, w = (t.to(dev) for t in _inputs(case, rank, step))
-    exp_all = _expected(case, step)
+    dtype = C.DTYPES[case.dtype][0]
+    x, ids, w = (t.to(dev) for t in C.inputs(case, rank, step))
+    exp_all = C.expected(case, step)
     exp = exp_all[rank]
     m, world, k = case.max_tokens, case.world, case.num_topk
     send_token = torch.empty(world * m, dtype=torch.int32, device=dev)
     send_count = torch.empty(world, dtype=torch.int32, device=dev)
     parity_d = (step + 1) & 1
-    tx.copy_engine_min_bytes = _ce_min_bytes(case, tx._tx().dispatch_slot_bytes)
+    tx.copy_engine_min_bytes = C.ce_min_bytes(case, tx._tx().dispatch_slot_bytes)
     tx.dispatch_send(
         seq, 1, parity_d, x, x.shape[0], ids, w, ids.shape[1], None, send_token, send_count
     )
@@ -163,20 +156,20 @@ def _run_normal(tx, case: Case, rank: int, step: int, seq: int):
     C.assert_rows(case, exp, xo, q, sc, step)
     if case.raw_fp8:
         xo = torch.stack([exp.x[i] for i in range(total)]).to(dev) if total else xo
-    y = _rows_fn(xo, rank)
-    tx.copy_engine_min_bytes = _ce_min_bytes(case, tx._tx().combine_slot_bytes)
+    y = C.rows_fn(xo, rank)
+    tx.copy_engine_min_bytes = C.ce_min_bytes(case, tx._tx().combine_slot_bytes)
     tx.combine_send(seq + 1, 2, (step + 1) & 1, y, counts_t, row_base)
     _check_copy_engine(tx, case, counts, tx._tx().combine_slot_bytes)
     out = torch.empty(x.shape[0], case.hidden, dtype=dtype, device=dev)
     tx.combine_recv(seq + 1, 2, (step + 1) & 1, 30.0, send_token, send_count, x.shape[0], out)
-    want = C.combined(case, step, [_rows_fn(e.x, r) for r, e in enumerate(exp_all)])
-    assert torch.equal(_bits(out), _bits(want[rank])), "combined output differs"
+    want = C.combined(case, step, [C.rows_fn(e.x, r) for r, e in enumerate(exp_all)])
+    assert torch.equal(C.bits(out), C.bits(want[rank])), "combined output differs"
 
 
 def _ll_buffers(tx, case: Case):
     dev = tx.device
     m, world, k = case.max_tokens, case.world, case.num_topk
-    dtype = _DT[case.dtype][0]
+    dtype = C.DTYPES[case.dtype][0]
     return dict(
         send_token=torch.empty(world * m, dtype=torch.int32, device=dev),
         send_count=torch.empty(world, dtype=torch.int32, device=dev),
@@ -197,7 +190,7 @@ def _ll_rows_calls(tx, b, x, ids, w, rank):
     tx.dispatch_send_async(td, 3, x, ids, w, b["send_token"], b["send_count"])
     tx.recv_rows_async(td, b["counts"], b["xo"], None, None, b["src_rank"], b["src_token"],
                        b["ids_o"], b["ws_o"], b["per_expert"])  # fmt: skip
-    b["y"].copy_(_rows_fn(b["xo"], rank))
+    b["y"].copy_(C.rows_fn(b["xo"], rank))
     tx.combine_send_async(tc, 4, b["y"], b["counts"])
     tx.combine_recv_async(tc, b["send_token"], b["send_count"], x.shape[0], b["out"][: x.shape[0]])
     return td, tc
@@ -205,7 +198,7 @@ def _ll_rows_calls(tx, b, x, ids, w, rank):
 
 def _run_ll_rows(tx, case: Case, rank: int, step: int):
     dev = tx.device
-    x, ids, w = (t.to(dev) for t in _inputs(case, rank, step))
+    x, ids, w = (t.to(dev) for t in C.inputs(case, rank, step))
     b = _ll_buffers(tx, case)
     _ll_rows_calls(tx, b, x, ids, w, rank)
     torch.cuda.synchronize()
@@ -215,8 +208,8 @@ def _run_ll_rows(tx, case: Case, rank: int, step: int):
 
 def _run_ll_em(tx, case: Case, rank: int, step: int):
     dev = tx.device
-    dtype = _DT[case.dtype][0]
-    x, ids, w = (t.to(dev) for t in _inputs(case, rank, step))
+    dtype = C.DTYPES[case.dtype][0]
+    x, ids, w = (t.to(dev) for t in C.inputs(case, rank, step))
     m, world, k, e_local = case.max_tokens, case.world, case.num_topk, tx.num_local_experts
     cap = world * m
     send_token = torch.empty(world * m, dtype=torch.int32, device=dev)
@@ -247,7 +240,7 @@ def _run_ll_em(tx, case: Case, rank: int, step: int):
     torch.cuda.synchronize()
     tx.check()
     want = C.combined(case, step, C.em_partials(case, step))
-    assert torch.equal(_bits(out), _bits(want[rank])), "expert-major combine differs"
+    assert torch.equal(C.bits(out), C.bits(want[rank])), "expert-major combine differs"
 
 
 def _rank_case(rank: int, world: int, case: Case) -> str:
@@ -304,7 +297,7 @@ def _rank_graph(rank: int, world: int, case: Case) -> None:
     tx = _make(case, rank)
     try:
         dev = torch.device("cuda", 0)
-        x0, ids0, w0 = (t.to(dev) for t in _inputs(case, rank, 0))
+        x0, ids0, w0 = (t.to(dev) for t in C.inputs(case, rank, 0))
         x_s, ids_s, w_s = x0.clone(), ids0.clone(), w0.clone()
         b = _ll_buffers(tx, case)
         _ll_rows_calls(tx, b, x_s, ids_s, w_s, rank)  # eager warm-up: loads the kernels
@@ -315,7 +308,7 @@ def _rank_graph(rank: int, world: int, case: Case) -> None:
         with torch.cuda.graph(g):
             _ll_rows_calls(tx, b, x_s, ids_s, w_s, rank)
         for step in range(1, 4):
-            x, ids, w = (t.to(dev) for t in _inputs(case, rank, step))
+            x, ids, w = (t.to(dev) for t in C.inputs(case, rank, step))
             x_s.copy_(x)
             ids_s.copy_(ids)
             w_s.copy_(w)
@@ -346,7 +339,7 @@ def _rank_never_calls(rank: int, world: int, case: Case) -> str:
         msg = ""
         if rank == 0:
             dev = torch.device("cuda", 0)
-            x, ids, w = (t.to(dev) for t in _inputs(case, rank, 0))
+            x, ids, w = (t.to(dev) for t in C.inputs(case, rank, 0))
             b = _ll_buffers(tx, case)
             td = tx.new_ticket()
             tx.dispatch_send_async(td, 3, x, ids, w, b["send_token"], b["send_count"])
@@ -381,7 +374,7 @@ def _rank_abort(rank: int, world: int, case: Case) -> None:
         if rank == 0:
             tx.abort(1, 1)
         else:
-            x, ids, w = (t.to(dev) for t in _inputs(case, rank, 0))
+            x, ids, w = (t.to(dev) for t in C.inputs(case, rank, 0))
             st = torch.empty(case.world * case.max_tokens, dtype=torch.int32, device=dev)
             sc = torch.empty(case.world, dtype=torch.int32, device=dev)
             tx.dispatch_send(1, 1, 1, x, x.shape[0], ids, w, ids.shape[1], None, st, sc)

@@ -207,8 +207,9 @@ class Buffer:
         if backend not in ("auto", "cpu", "cuda"):
             raise _fail(ValueError, "backend", repr(backend), "'auto', 'cpu', 'cuda'")
         if backend == "auto":
-            # The CUDA transport has only been compiled, never run on a GPU (README): until
-            # it has, "auto" stays on the CPU transport and "cuda" is an explicit opt-in.
+            # The CUDA transport has run only on the CPU model of CUDA, never on a GPU
+            # (README): until it has, "auto" stays on the CPU transport and "cuda" is an
+            # explicit opt-in.
             backend = env.backend() or "cpu"
         if backend == "cuda" and not _native.cuda_available():
             raise ValueError(
