@@ -56,6 +56,9 @@ class DispatchHandle:
     expert_pos: torch.Tensor | None = None  # expert_major: [world * max_tokens, num_topk]
     row_experts: torch.Tensor | None = None
     row_weights: torch.Tensor | None = None
+    # normal mode: recv_count and row_base as the host knows them (no device round trip)
+    recv_count_host: list[int] | None = None
+    row_base_host: list[int] | None = None
 
 
 @dataclass
@@ -550,6 +553,7 @@ class Buffer:
             send_token,
             send_count,
             torch.tensor(counts, dtype=torch.int32, device=self.device),
+            counts,
         )
 
     def _check_options(self, layout: str, return_fp8: bool) -> None:
@@ -586,16 +590,16 @@ class Buffer:
         """
         seq, parity = self._begin(_OP_DISPATCH)
         self._guard(seq, _OP_DISPATCH, self._check_options, "rows", return_fp8)
-        num_tokens, send_token, send_count, counts = self._send_rows(
+        num_tokens, send_token, send_count, counts, host = self._send_rows(
             seq, _OP_DISPATCH, parity, x, topk_ids, topk_weights
         )
-        total = int(counts.sum())
-        row_base = torch.zeros(self.world, dtype=torch.int64, device=self.device)
-        row_base[1:] = torch.cumsum(counts, 0)[:-1]
-        result = self._unpack_rows(parity, counts, row_base, (total,), return_fp8)
+        bases = [0, *itertools.accumulate(host[:-1])]
+        row_base = torch.tensor(bases, dtype=torch.int64, device=self.device)
+        result = self._unpack_rows(parity, counts, row_base, (sum(host),), return_fp8)
         handle = DispatchHandle(
-            self._id, "normal", "rows", num_tokens, send_token, send_count, counts, row_base
-        )
+            self._id, "normal", "rows", num_tokens, send_token, send_count, counts, row_base,
+            recv_count_host=host, row_base_host=bases,
+        )  # fmt: skip
         return self._finish_rows(result, counts, handle, return_fp8)
 
     def _unpack_rows(self, parity, counts, row_base, shape, return_fp8):
@@ -658,7 +662,7 @@ class Buffer:
         """
         seq, parity = self._begin(_OP_LL_DISPATCH)
         self._guard(seq, _OP_LL_DISPATCH, self._check_options, layout, return_fp8)
-        num_tokens, send_token, send_count, counts = self._send_rows(
+        num_tokens, send_token, send_count, counts, _ = self._send_rows(
             seq, _OP_LL_DISPATCH, parity, x, topk_ids, topk_weights
         )
         w, m = self.world, self.max_tokens_per_rank
@@ -749,14 +753,11 @@ class Buffer:
         return y
 
     def _combine(self, seq, op, parity, rows: torch.Tensor, handle: DispatchHandle):
-        self._transport.combine_send(
-            seq & 0xFFFFFFFF,
-            op,
-            parity,
-            rows,
-            handle.recv_count,
-            handle.row_base,
-        )
+        args = [seq & 0xFFFFFFFF, op, parity, rows, handle.recv_count, handle.row_base]
+        if self.backend == "cuda" and handle.recv_count_host is not None:
+            # the copy-engine path sizes its copies on the host: spare it a device read
+            args += [handle.recv_count_host, handle.row_base_host]
+        self._transport.combine_send(*args)
         out = torch.empty(handle.num_tokens, self.hidden, dtype=self.dtype, device=self.device)
         self._protocol(
             self._transport.combine_recv,
@@ -781,7 +782,8 @@ class Buffer:
         """
         seq, parity = self._begin(_OP_COMBINE)
         handle = self._guard(seq, _OP_COMBINE, self._check_handle, handle, "normal")
-        total = int(handle.recv_count.sum())
+        host = handle.recv_count_host
+        total = sum(host) if host is not None else int(handle.recv_count.sum())
         y = self._guard(seq, _OP_COMBINE, self._check_y, y, (total, self.hidden))
         return self._combine(seq, _OP_COMBINE, parity, y, handle)
 

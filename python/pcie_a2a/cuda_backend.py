@@ -663,7 +663,11 @@ class CudaTransport:
             row_weights,
         )
 
-    def combine_send(self, seq, op, parity, y, counts, row_base) -> None:
+    def combine_send(
+        self, seq, op, parity, y, counts, row_base, counts_host=None, row_base_host=None
+    ) -> None:
+        """``counts_host``/``row_base_host``: the same as lists, when the caller has them
+        (else the copy-engine path reads them from the device)."""
         tx = self._tx()
         tx.check()
         y = _aligned(y)
@@ -676,8 +680,8 @@ class CudaTransport:
                 _ptr(y),
                 _ptr(counts),
                 _ptr(row_base),
-                counts.tolist(),
-                row_base.tolist(),
+                counts.tolist() if counts_host is None else counts_host,
+                row_base.tolist() if row_base_host is None else row_base_host,
                 self.copy_engine_min_bytes,
                 self._stream(),
             )
