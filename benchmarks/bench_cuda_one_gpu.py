@@ -11,8 +11,8 @@ uniform routing, bf16 activations), fp8 and bf16 payloads, rows layout, through 
 graph-capturable ``CudaTransport`` methods:
   dispatch = dispatch_send_async + recv_rows_async (device-side flag wait)
   combine  = combine_send_async + combine_recv_async
-and a prefill step (PREFILL_TOKENS per rank, bf16) in normal mode through the Buffer's
-methods (dispatch_send + wait + unpack_rows, combine_send + combine_recv), once with warp
+and a prefill step (PREFILL_TOKENS per rank, bf16) in normal mode through
+``Buffer.dispatch``/``Buffer.combine`` (backend="cuda"), once with warp
 stores only ("normal-warp") and once with every pair on the copy engine
 ("normal-copy_engine": cudaMemcpyAsync + flag kernel), to compare the two send paths.
 Each timed call starts after a gloo all_reduce (every rank starts together) and is
@@ -272,12 +272,12 @@ def _timed_loop(tx, steps, warmup: int, iters: int, budget_s: float):
 
 
 def _rank_normal(rank: int, world: int, warmup: int, iters: int, budget_s: float) -> dict:
-    """Normal-mode prefill step, warp stores vs copy engine (NORMAL_SETTINGS)."""
+    """Normal-mode prefill step through the Buffer (what users call), warp stores vs copy
+    engine (NORMAL_SETTINGS: the transport's threshold is switched between timings)."""
     import torch
     import torch.distributed as dist
 
-    from pcie_a2a.cuda_backend import CudaTransport
-    from pcie_a2a.placement import Placement
+    import pcie_a2a
 
     dev = torch.device("cuda", 0)
     m = PREFILL_TOKENS
@@ -285,46 +285,17 @@ def _rank_normal(rank: int, world: int, warmup: int, iters: int, budget_s: float
     x = torch.randn(m, HIDDEN, generator=g, device=dev).to(torch.bfloat16)
     ids = torch.rand(m, EXPERTS, generator=g, device=dev).topk(TOPK, dim=1).indices.int()
     w = torch.softmax(torch.rand(m, TOPK, generator=g, device=dev), dim=1)
-    tx = CudaTransport(
-        None, rank, world, HIDDEN, m, TOPK, 0, 0, Placement.contiguous(EXPERTS, world),
-        device=0, timeout_s=10.0, copy_engine_min_bytes=None,
-    )  # fmt: skip
+    buf = pcie_a2a.Buffer(None, EXPERTS, HIDDEN, m, num_topk=TOPK, backend="cuda", timeout_s=10.0)
     out: dict = {}
-    state = {"seq": 0, "calls": [0, 0]}
     try:
-        st = {
-            "send_token": torch.empty(world * m, dtype=torch.int32, device=dev),
-            "send_count": torch.empty(world, dtype=torch.int32, device=dev),
-        }
-
-        def begin(family: int) -> tuple[int, int]:
-            state["seq"] += 1
-            state["calls"][family] += 1
-            return state["seq"], state["calls"][family] & 1
+        tx = buf._transport  # the CudaTransport: its threshold picks the send path
+        last: dict = {}
 
         def dispatch() -> None:
-            seq, parity = begin(0)
-            tx.dispatch_send(seq, 1, parity, x, m, ids, w, TOPK, None, st["send_token"],
-                             st["send_count"])  # fmt: skip
-            counts = tx.wait(seq, 1, 10.0)
-            total = sum(counts)
-            st["counts"] = torch.tensor(counts, dtype=torch.int32, device=dev)
-            st["row_base"] = torch.zeros(world, dtype=torch.int64, device=dev)
-            st["row_base"][1:] = torch.cumsum(st["counts"], 0)[:-1]
-            st["xo"] = torch.empty(total, HIDDEN, dtype=torch.bfloat16, device=dev)
-            per_expert = torch.empty(tx.num_local_experts, dtype=torch.int32, device=dev)
-            tx.unpack_rows(parity, st["counts"], st["row_base"], st["xo"], None, None,
-                           torch.empty(total, dtype=torch.int32, device=dev),
-                           torch.empty(total, dtype=torch.int32, device=dev),
-                           torch.empty(total, TOPK, dtype=torch.int32, device=dev),
-                           torch.empty(total, TOPK, dtype=torch.float32, device=dev),
-                           tx.num_local_experts, per_expert)  # fmt: skip
+            last["r"] = buf.dispatch(x, ids, w)
 
         def combine() -> None:
-            seq, parity = begin(1)
-            tx.combine_send(seq, 2, parity, st["xo"], st["counts"], st["row_base"])
-            res = torch.empty(m, HIDDEN, dtype=torch.bfloat16, device=dev)
-            tx.combine_recv(seq, 2, parity, 10.0, st["send_token"], st["send_count"], m, res)
+            buf.combine(last["r"].x, last["r"].handle)  # y = the received rows
 
         for name, min_bytes in NORMAL_SETTINGS.items():
             tx.copy_engine_min_bytes = min_bytes
@@ -335,7 +306,7 @@ def _rank_normal(rank: int, world: int, warmup: int, iters: int, budget_s: float
         torch.cuda.synchronize()
         dist.barrier()
     finally:
-        tx.close()
+        buf.close()
     return out
 
 
