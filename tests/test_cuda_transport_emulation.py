@@ -42,6 +42,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from native_emulation import compiler, missed_mutations, mutate
+
 try:
     import cuda_transport_cases as C
 except ImportError:  # pragma: no cover - run from another directory
@@ -55,10 +57,6 @@ SOURCES = ("kernels.cu", "cuda_transport.cu", "ptx.cuh", "launch.cuh", "device_p
 SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined"]
 ERR_TIMEOUT, ERR_PEER, ERR_ABORTED = 1, 2, 3  # pa2a::Error::Kind
 SHORT_TIMEOUT_MS = 400  # the timeout of steps where a peer never comes
-
-
-def _compiler() -> str | None:
-    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
 
 
 def _units(csrc: Path) -> list[tuple[Path, list[str]]]:
@@ -98,7 +96,7 @@ def build_emulator(
     With ``base`` (a previous build's directory) only the sources named in ``rebuild`` are
     compiled again and linked with base's other objects (the mutation builds): quickly
     (-O0, no sanitizer) if ``fast``, else like base."""
-    cxx = _compiler()
+    cxx = compiler()
     out.mkdir(parents=True, exist_ok=True)
     if base is None:
         sanitize = _sanitizer_works(cxx, out)
@@ -142,7 +140,7 @@ def _objects() -> list[str]:
 
 @pytest.fixture(scope="session")
 def emulator(tmp_path_factory) -> Path:
-    if _compiler() is None:
+    if compiler() is None:
         pytest.skip("no host C++ compiler (c++/g++) to build the transport emulation")
     if sys.platform != "linux":
         pytest.skip("the emulation's rank processes share memory the Linux way (prctl, shm)")
@@ -600,10 +598,7 @@ def _mutant(base: Path, tmp: Path, n: int, mutations=MUTATIONS, fast: bool = Tru
     tree = tmp / f"m{n}" / "csrc"
     for sub in ("core", "cuda/transport"):
         shutil.copytree(CSRC / sub, tree / sub)
-    path = tree / "cuda" / "transport" / fname
-    text = path.read_text()
-    assert text.count(old) == 1, f"mutation {n}: {old!r} not found exactly once in {fname}"
-    path.write_text(text.replace(old, new))
+    mutate(tree / "cuda" / "transport" / fname, old, new, f"mutation {n}")
     rebuild = ("kernels.cu", "cuda_transport.cu") if fname.endswith(".cuh") else (fname,)
     return build_emulator(tmp / f"m{n}" / "build", tree, base=base, rebuild=rebuild, fast=fast)
 
@@ -611,18 +606,16 @@ def _mutant(base: Path, tmp: Path, n: int, mutations=MUTATIONS, fast: bool = Tru
 def test_emulation_catches_mutations(emulator, tmp_path):
     """Build the emulator against mutated copies of the sources: every one must fail."""
     base = emulator.parent
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        binaries = list(pool.map(lambda n: _mutant(base, tmp_path, n), range(len(MUTATIONS))))
-    missed = []
-    for n, ((fname, old, new, name), binary) in enumerate(zip(MUTATIONS, binaries)):
-        sc = dataclasses.replace(_BY_NAME[name], timeout_ms=2000)
+
+    def check(n: int, binary: Path) -> None:
+        sc = dataclasses.replace(_BY_NAME[MUTATIONS[n][3]], timeout_ms=2000)
         d = tmp_path / f"m{n}" / "run"
-        try:
-            run_scenario(binary, sc, d)
-            check_scenario(sc, d)
-        except (AssertionError, EmulatorError):
-            continue
-        missed.append(f"{fname}: {old!r} -> {new!r}")
+        run_scenario(binary, sc, d)
+        check_scenario(sc, d)
+
+    missed = missed_mutations(
+        MUTATIONS, lambda n: _mutant(base, tmp_path, n), check, (AssertionError, EmulatorError)
+    )
     assert not missed, "mutations the emulation did not detect:\n" + "\n".join(missed)
 
 

@@ -26,12 +26,12 @@ import os
 import re
 import shutil
 import subprocess
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 
+from native_emulation import compiler, missed_mutations, mutate
 from pcie_a2a.quant import (
     PackedInt4Experts,
     from_awq,
@@ -53,13 +53,9 @@ EMU_MODEL = Path(__file__).resolve().parent / "native" / "emu"  # shared CUDA mo
 SOURCES = ("gemm_kernel.cuh", "schedule.cuh", "validate.h", "moe_int4.cuh", "layout.h")
 
 
-def _compiler() -> str | None:
-    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-
-
 def build_emulator(out: Path, csrc: Path = CSRC, sanitize: bool = True) -> Path:
     """Compile tests/native/moe_int4_emu/main.cpp against the kernel headers in ``csrc``."""
-    cxx = _compiler()
+    cxx = compiler()
     base = [cxx, "-std=c++17", "-g", "-fno-strict-aliasing", "-Wno-unknown-pragmas"]
     base += ["-iquote", str(EMU / "override"), "-I", str(EMU / "include")]
     base += ["-I", str(EMU_MODEL), "-I", str(csrc)]
@@ -77,7 +73,7 @@ def build_emulator(out: Path, csrc: Path = CSRC, sanitize: bool = True) -> Path:
 
 @pytest.fixture(scope="session")
 def emulator(tmp_path_factory) -> Path:
-    if _compiler() is None:
+    if compiler() is None:
         pytest.skip("no host C++ compiler (c++/g++) to build the kernel emulation")
     if not all((CSRC / "cuda" / "moe_int4" / s).is_file() for s in SOURCES):
         pytest.skip("the kernel sources are not in this checkout")
@@ -498,21 +494,13 @@ def test_emulation_catches_kernel_mutations(emulator, tmp_path):
         fname, old, new, _ = MUTATIONS[n]
         tree = tmp_path / f"m{n}"
         shutil.copytree(CSRC, tree / "csrc", ignore=shutil.ignore_patterns("transport", "*.cu"))
-        path = tree / "csrc" / "cuda" / "moe_int4" / fname
-        text = path.read_text()
-        assert text.count(old) == 1, f"mutation {n}: {old!r} not found exactly once in {fname}"
-        path.write_text(text.replace(old, new))
+        mutate(tree / "csrc" / "cuda" / "moe_int4" / fname, old, new, f"mutation {n}")
         return build_emulator(tree / "emu", tree / "csrc", sanitize=False)
 
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        binaries = list(pool.map(build, range(len(MUTATIONS))))
-    missed = []
-    for n, ((fname, old, new, scenario), binary) in enumerate(zip(MUTATIONS, binaries)):
-        try:
-            _scenario(binary, tmp_path / f"m{n}" / "run", scenario)
-        except (AssertionError, EmulatorError):
-            continue
-        missed.append(f"{fname}: {old!r} -> {new!r}")
+    def check(n: int, binary: Path) -> None:
+        _scenario(binary, tmp_path / f"m{n}" / "run", MUTATIONS[n][3])
+
+    missed = missed_mutations(MUTATIONS, build, check, (AssertionError, EmulatorError))
     assert not missed, "mutations the emulation did not detect:\n" + "\n".join(missed)
 
 

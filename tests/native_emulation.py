@@ -1,0 +1,44 @@
+"""What the two CPU emulations of CUDA sources share (tests/native: the INT4 kernel and the
+transport): finding a host compiler, and the mutation check that proves an emulation can
+fail (seed one plausible slip per build; every mutant must be caught)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+
+def compiler() -> str | None:
+    """The host C++ compiler the emulations build with ($CXX, else c++ or g++)."""
+    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+
+
+def mutate(path: Path, old: str, new: str, label: str) -> None:
+    """Replaces `old` (which must occur exactly once) by `new` in the file at `path`."""
+    text = path.read_text()
+    assert text.count(old) == 1, f"{label}: {old!r} not found exactly once in {path.name}"
+    path.write_text(text.replace(old, new))
+
+
+def missed_mutations(
+    mutations: Sequence[tuple],
+    build: Callable[[int], Path],
+    check: Callable[[int, Path], None],
+    caught: tuple[type[BaseException], ...],
+) -> list[str]:
+    """Builds every mutant (in parallel) and runs `check` on each; returns the mutations
+    (file, old, new, ...) whose check raised none of `caught`: the ones not detected."""
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        binaries = list(pool.map(build, range(len(mutations))))
+    missed = []
+    for n, binary in enumerate(binaries):
+        try:
+            check(n, binary)
+        except caught:
+            continue
+        fname, old, new = mutations[n][:3]
+        missed.append(f"{fname}: {old!r} -> {new!r}")
+    return missed
