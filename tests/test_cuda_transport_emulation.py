@@ -435,8 +435,9 @@ def check_scenario(sc: Scenario, d: Path) -> None:
                         assert f"rank {r} timed out" in err[1], err
                         assert f"(call {first}) waiting for rank {who}" in err[1], err
                         # every receive block of the missing source gives up once the first
-                        # one timed out (not one 400 ms timeout per block)
-                        assert int(o.log["elapsed_ms"]) < 1500, o.log
+                        # one timed out: ~400 ms, not 400 ms for each of its 10 blocks (the
+                        # bound leaves room for a loaded machine)
+                        assert int(o.log["elapsed_ms"]) < 2500, o.log
                 elif kind == "abort_silent":
                     silent = case.world - 1
                     if r != silent:
@@ -498,7 +499,7 @@ SCENARIOS = [
     # prefill sizes: several tokens per dispatch block, many receive blocks per source
     S("w2_prefill_ce_mixed", 2, "normal ll_rows normal", max_tokens=300, copy_engine="mixed",
       experts=16, seed=43),
-    S("w2_timeout", 2, "ll_rows skip:1", max_tokens=80, seed=40),
+    S("w2_timeout", 2, "ll_rows skip:1", max_tokens=160, seed=40),
     S("w2_op_mismatch", 2, "normal mismatch:1", seed=41),
     S("w3_abort_silent_peer", 3, "ll_em abort_silent:0", experts=9, seed=42),
 ]  # fmt: skip
