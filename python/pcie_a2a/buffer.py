@@ -197,6 +197,7 @@ class Buffer:
         self.num_topk = num_topk
         self.num_local_experts = placement.num_local_experts(self.rank)
         self._id = next(_BUFFER_IDS)  # see _BUFFER_IDS
+        self._pending_hook: tuple[str, int] | None = None  # (call, seq) sent, not received
         self._seq = 0
         self._dispatch_calls = 0
         self._combine_calls = 0
@@ -344,6 +345,15 @@ class Buffer:
                 f"this Buffer failed earlier and cannot be used: {self._failed}; "
                 "close it and create a new one on every rank"
             )
+
+    def check(self) -> None:
+        """Raises a failure recorded asynchronously: on the CUDA backend a kernel that saw a
+        peer time out, abort or disagree writes an error word that this (or the next call)
+        turns into PeerTimeoutError / PeerAbortedError / PeerError. The CPU transport
+        raises in the call itself, so there this only checks that the Buffer is usable."""
+        self._check_usable()
+        if self.backend == "cuda":
+            self._protocol(self._transport.check)
 
     # ---- stats -------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -495,6 +505,14 @@ class Buffer:
     # ---- dispatch ----------------------------------------------------------------------
     def _begin(self, op: int) -> tuple[int, int]:
         self._check_usable()
+        if self._pending_hook is not None:
+            what, seq = self._pending_hook
+            raise RuntimeError(
+                f"call the receive hook of {what} (call {seq}) before starting another call "
+                "on this Buffer: a rank must receive call n before it sends call n + 1 (its "
+                "peers reuse the memory of call n - 1 for it); overlap two micro-batches "
+                "with one Buffer each"
+            )
         self._seq += 1
         if op in (_OP_DISPATCH, _OP_LL_DISPATCH):
             self._dispatch_calls += 1
@@ -528,6 +546,32 @@ class Buffer:
             raise
 
     def _send_rows(self, seq: int, op: int, parity: int, x, topk_ids, topk_weights):
+        num_tokens, send_token, send_count = self._send_half(
+            seq, op, parity, x, topk_ids, topk_weights
+        )
+        return (num_tokens, send_token, send_count, *self._receive_counts(seq, op))
+
+    def _receive_counts(self, seq: int, op: int) -> tuple[torch.Tensor, list[int]]:
+        counts = self._protocol(self._transport.wait, seq & 0xFFFFFFFF, op, self.timeout_s)
+        return torch.tensor(counts, dtype=torch.int32, device=self.device), counts
+
+    def _with_hook(self, receive, return_recv_hook: bool, what: str, seq: int):
+        """``receive()`` now, or a hook that runs it once, later (DeepEP's
+        ``return_recv_hook``): the send half has been issued; the peers' rows or partials
+        arrive while the caller computes, and the hook waits for them."""
+        if not return_recv_hook:
+            return receive()
+        self._pending_hook = (what, seq)
+
+        def hook():
+            if self._pending_hook != (what, seq):
+                raise RuntimeError(f"the receive hook of {what} (call {seq}) was already called")
+            self._pending_hook = None
+            return receive()
+
+        return hook
+
+    def _send_half(self, seq: int, op: int, parity: int, x, topk_ids, topk_weights):
         x = self._guard(seq, op, self._check_x, x)
         ids = self._guard(seq, op, self._check_topk_ids, topk_ids, x.shape[0])
         w = self._guard(seq, op, self._check_weights, topk_weights, ids).contiguous()
@@ -547,14 +591,7 @@ class Buffer:
             send_token,
             send_count,
         )
-        counts = self._protocol(self._transport.wait, seq & 0xFFFFFFFF, op, self.timeout_s)
-        return (
-            x.shape[0],
-            send_token,
-            send_count,
-            torch.tensor(counts, dtype=torch.int32, device=self.device),
-            counts,
-        )
+        return x.shape[0], send_token, send_count
 
     def _check_options(self, layout: str, return_fp8: bool) -> None:
         if layout not in _LAYOUTS:
@@ -652,19 +689,31 @@ class Buffer:
         *,
         layout: str = "rows",
         return_fp8: bool = False,
-    ) -> DispatchResult:
+        return_recv_hook: bool = False,
+    ):
         """Low-latency mode: static shapes (a fixed capacity of max_tokens_per_rank rows per
         source), for decode steps and CUDA graphs.
 
         ``layout="rows"``: ``x [world, max_tokens, H]``, ``recv_count[s]`` rows valid.
         ``layout="expert_major"``: ``x [E_local, world * max_tokens, H]`` plus
         ``tokens_per_expert``, ``src_info`` and ``layout_range`` (DeepEP's LL layout).
+
+        Returns the :class:`DispatchResult`; with ``return_recv_hook=True`` only the send
+        half runs now and a hook is returned: calling it (once) receives and returns the
+        result, so the caller can compute in between. No other call of this Buffer may
+        start before the hook is called.
         """
         seq, parity = self._begin(_OP_LL_DISPATCH)
         self._guard(seq, _OP_LL_DISPATCH, self._check_options, layout, return_fp8)
-        num_tokens, send_token, send_count, counts, _ = self._send_rows(
-            seq, _OP_LL_DISPATCH, parity, x, topk_ids, topk_weights
-        )
+        sent = self._send_half(seq, _OP_LL_DISPATCH, parity, x, topk_ids, topk_weights)
+
+        def receive() -> DispatchResult:
+            counts, _ = self._receive_counts(seq, _OP_LL_DISPATCH)
+            return self._ll_unpack(parity, layout, return_fp8, *sent, counts)
+
+        return self._with_hook(receive, return_recv_hook, "low_latency_dispatch", seq)
+
+    def _ll_unpack(self, parity, layout, return_fp8, num_tokens, send_token, send_count, counts):
         w, m = self.world, self.max_tokens_per_rank
         row_base = torch.arange(w, dtype=torch.int64, device=self.device) * m
         handle = DispatchHandle(
@@ -752,26 +801,30 @@ class Buffer:
             raise _fail(TypeError, "y.dtype", y.dtype, f"{self.dtype} (the Buffer's dtype)")
         return y
 
-    def _combine(self, seq, op, parity, rows: torch.Tensor, handle: DispatchHandle):
+    def _combine(self, seq, op, parity, rows: torch.Tensor, handle: DispatchHandle, hook=False):
         args = [seq & 0xFFFFFFFF, op, parity, rows, handle.recv_count, handle.row_base]
         if self.backend == "cuda" and handle.recv_count_host is not None:
             # the copy-engine path sizes its copies on the host: spare it a device read
             args += [handle.recv_count_host, handle.row_base_host]
         self._transport.combine_send(*args)
-        out = torch.empty(handle.num_tokens, self.hidden, dtype=self.dtype, device=self.device)
-        self._protocol(
-            self._transport.combine_recv,
-            seq & 0xFFFFFFFF,
-            op,
-            parity,
-            self.timeout_s,
-            handle.send_token,
-            handle.send_count,
-            handle.num_tokens,
-            out,
-        )
-        self._record()
-        return out
+
+        def receive() -> torch.Tensor:
+            out = torch.empty(handle.num_tokens, self.hidden, dtype=self.dtype, device=self.device)
+            self._protocol(
+                self._transport.combine_recv,
+                seq & 0xFFFFFFFF,
+                op,
+                parity,
+                self.timeout_s,
+                handle.send_token,
+                handle.send_count,
+                handle.num_tokens,
+                out,
+            )
+            self._record()
+            return out
+
+        return self._with_hook(receive, hook, "low_latency_combine", seq)
 
     def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """Returns ``[T, H]`` in the Buffer dtype: for each token, the fp32 sum (in ascending
@@ -787,11 +840,15 @@ class Buffer:
         y = self._guard(seq, _OP_COMBINE, self._check_y, y, (total, self.hidden))
         return self._combine(seq, _OP_COMBINE, parity, y, handle)
 
-    def low_latency_combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+    def low_latency_combine(
+        self, y: torch.Tensor, handle: DispatchHandle, *, return_recv_hook: bool = False
+    ):
         """Low-latency combine. With the ``rows`` layout ``y [world, max_tokens, H]`` holds
         weighted, summed rows as in :meth:`combine`. With ``expert_major``,
         ``y [E_local, world * max_tokens, H]`` holds *unweighted* expert outputs: this rank
         applies the routing weights and sums each row's experts (fp32) before sending.
+        ``return_recv_hook=True``: sends now, returns a hook that receives and returns the
+        output (as in :meth:`low_latency_dispatch`).
         """
         seq, parity = self._begin(_OP_LL_COMBINE)
         op = _OP_LL_COMBINE
@@ -799,7 +856,7 @@ class Buffer:
         w, m = self.world, self.max_tokens_per_rank
         if handle.layout == "rows":
             y = self._guard(seq, op, self._check_y, y, (w, m, self.hidden))
-            return self._combine(seq, op, parity, y, handle)
+            return self._combine(seq, op, parity, y, handle, return_recv_hook)
         y = self._guard(seq, op, self._check_y, y, (self.num_local_experts, w * m, self.hidden))
         rows = torch.empty(w * m, self.hidden, dtype=self.dtype, device=self.device)
         self._transport.reduce_expert_major(
@@ -811,7 +868,7 @@ class Buffer:
             self.num_local_experts,
             rows,
         )
-        return self._combine(seq, op, parity, rows, handle)
+        return self._combine(seq, op, parity, rows, handle, return_recv_hook)
 
 
 def _release(transport, names: list[str]) -> None:
