@@ -1,0 +1,451 @@
+"""scripts/gpu_check.sh on the CPU: its plan fits the budget, it is valid bash, and run end
+to end with fake steps (GPU_CHECK_DRY_RUN=1, scripts/gpu_check_fake.py) in a copy of the
+scripts it prints each row as its step ends, kills a hung step with its children at the
+deadline, skips what the budget no longer allows, reports missing files and modules, and
+leaves only the result files the device tool returns (at most 8, 16 MiB each, no folders).
+Also: the smoke selection picks exactly the named tier-1 tests, the preflight runs without
+a GPU, and the parsers behind the preflight and the kernel breakdown.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "scripts"
+CHECK_SCRIPTS = (
+    "gpu_check.sh", "gpu_check.py", "gpu_check_plan.py", "gpu_check_steps.py",
+    "gpu_check_report.py", "gpu_check_fake.py", "gpu_check_pytest.py", "gpu_preflight.py",
+    "gpu_kernel_breakdown.py",
+)  # fmt: skip
+TREE = (
+    "tests/test_cuda_transport.py", "tests/test_cuda_stress.py", "tests/test_moe_int4_gpu.py",
+    "tests/test_other_gpu.py", "benchmarks/bench_moe_gemm.py", "benchmarks/bench_cuda_one_gpu.py",
+    "csrc/bindings/transport.cpp", "csrc/bindings/cuda.cu", "csrc/bindings/cuda_transport.cu",
+    "csrc/bindings/moe_int4.cu", "CMakeLists.txt",
+)  # fmt: skip
+OUT_NAME = re.compile(r"^[A-Za-z0-9._-]+$")
+
+
+def _load(name: str):
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod  # dataclasses look their module up while it loads
+        spec.loader.exec_module(mod)
+        return mod
+    finally:
+        sys.path.remove(str(SCRIPTS))
+
+
+def _env(**extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GPU_CHECK_", "BUDGET_S"))}
+    env.pop("OUT", None)
+    env.pop("LOG_DIR", None)
+    env.update(extra)
+    return env
+
+
+def fake_repo(tmp_path: Path) -> Path:
+    """The gpu_check scripts and stand-ins for the files its steps need (no in-process
+    harness file: that step must say "missing")."""
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    for name in CHECK_SCRIPTS:
+        shutil.copy2(SCRIPTS / name, repo / "scripts" / name)
+    for rel in TREE:
+        (repo / rel).parent.mkdir(parents=True, exist_ok=True)
+        (repo / rel).write_text("# pytest.mark.gpu stand-in\n")
+    return repo
+
+
+def dry_run(repo: Path, out: Path, timeout: float = 90, **env: str):
+    """Runs the real gpu_check.sh with fake steps; returns (rc, [(seconds, line)])."""
+    start = time.monotonic()
+    proc = subprocess.Popen(
+        ["bash", str(repo / "scripts" / "gpu_check.sh")],
+        env=_env(GPU_CHECK_DRY_RUN="1", LOG_DIR=str(out), **env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append((time.monotonic() - start, line.rstrip("\n")))
+        rc = proc.wait(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return rc, lines
+
+
+def rows_of(lines) -> dict[str, tuple[float, str]]:
+    """step -> (arrival time, status) of the rows printed as steps ended (first table)."""
+    rows: dict[str, tuple[float, str]] = {}
+    for t, line in lines:
+        if line.startswith("pcie_a2a GPU check on"):
+            break  # the final table repeats the rows
+        m = re.match(r"^(\w+)\s{2,}(\S.*?)\s{2,}", line)
+        if m and m.group(1) not in rows and m.group(1) != "step":
+            rows[m.group(1)] = (t, m.group(2).strip())
+    return rows
+
+
+def check_out_dir(out: Path) -> set[str]:
+    """The device tool's limits on what comes back from $OUT."""
+    files = list(out.iterdir())
+    assert len(files) <= 8, files
+    for f in files:
+        assert f.is_file(), f"{f}: a folder or link would not come back"
+        assert OUT_NAME.match(f.name), f.name
+        assert f.stat().st_size <= 16 << 20, (f.name, f.stat().st_size)
+    return {f.name for f in files}
+
+
+def archive_members(out: Path) -> dict[str, bytes]:
+    with tarfile.open(out / "gpu_check_logs.tar.gz") as tar:
+        return {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}
+
+
+# ---- the plan ----------------------------------------------------------------------------
+def _plan(*args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", str(SCRIPTS / "gpu_check.sh"), *args],
+        env=_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_plan_fits_the_default_budget():
+    r = _plan("--plan")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "fits" in r.stdout and "BUDGET_S=480" in r.stdout
+    doc = json.loads(_plan("--plan-json").stdout)
+    counted = [s for s in doc["steps"] if s["counted"]]
+    assert sum(s["cap_s"] for s in counted) + doc["reserve_s"] <= doc["budget_s"] == 480
+    names = {s["name"] for s in counted}
+    assert {"preflight", "build", "transport_smoke", "stress", "transport_rest", "int4",
+            "bench_moe_gemm", "bench_one_gpu", "kernels"} <= names  # fmt: skip
+    assert all(0 < s["min_s"] <= s["cap_s"] for s in doc["steps"])
+    spare = {s["name"] for s in doc["steps"] if s["optional"]}
+    assert spare == {"sanitizer"}  # only in time left over
+    assert {s["name"] for s in doc["steps"] if s["min_gpus"] > 1} == {"bench_nccl"}
+
+
+def test_plan_that_does_not_fit_says_so_and_bad_settings_are_refused():
+    r = _plan("--plan", BUDGET_S="300")
+    assert r.returncode == 1 and "DOES NOT FIT" in r.stdout
+    assert _plan("--plan", BUDGET_S="200", GPU_CHECK_ONLY="stress").returncode == 0
+    r = _plan("--plan", BUDGET_S="abc")
+    assert r.returncode == 2 and "BUDGET_S='abc'" in r.stderr
+    r = _plan("--plan", GPU_CHECK_ONLY="stres")
+    assert r.returncode == 2 and "unknown step(s) ['stres']" in r.stderr and "stress" in r.stderr
+    r = _plan("--plan", GPU_CHECK_CAPS="build=fast")
+    assert r.returncode == 2 and "expected step=seconds" in r.stderr
+
+
+def test_scripts_are_valid_bash():
+    for script in ("gpu_check.sh", "dev_build.sh"):
+        r = subprocess.run(["bash", "-n", str(SCRIPTS / script)], capture_output=True, text=True)
+        assert r.returncode == 0, f"{script}: {r.stderr}"
+
+
+@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is not installed")
+def test_scripts_pass_shellcheck():
+    r = subprocess.run(
+        ["shellcheck", str(SCRIPTS / "gpu_check.sh"), str(SCRIPTS / "dev_build.sh")],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+# ---- end to end with fake steps ------------------------------------------------------------
+def test_dry_run_passes_and_returns_only_what_the_device_tool_keeps(tmp_path):
+    repo, out = fake_repo(tmp_path), tmp_path / "out"
+    rc, lines = dry_run(repo, out, GPU_CHECK_FAKE="kernels=biglog:6")
+    text = "\n".join(line for _, line in lines)
+    assert rc == 0, text
+    rows = rows_of(lines)
+    assert list(rows) == ["preflight", "build_tools", "build", "transport_smoke", "stress",
+                          "transport_rest", "inprocess", "gpu_other", "int4", "bench_moe_gemm",
+                          "bench_one_gpu", "kernels", "topo", "bench_nccl", "sanitizer"], text  # fmt: skip
+    assert rows["inprocess"][1] == "missing"
+    assert rows["bench_nccl"][1] == "skipped: 1 GPU"
+    assert all(rows[n][1] == "ok" for n in rows if n not in ("inprocess", "bench_nccl")), rows
+    assert "verdict: DRY RUN PASS" in text
+    assert check_out_dir(out) == {"gpu_check_summary.txt", "gpu_check_junit.xml",
+                                  "gpu_check_results.json", "gpu_check_logs.tar.gz",
+                                  "gpu_check_modules.tar.gz"}  # fmt: skip
+    logs = archive_members(out)
+    big = logs["gpu_check/kernels.log"]
+    assert (4 << 20) < len(big) < (4 << 20) + 200 and big.startswith(b"[gpu_check: first ")
+    suite = ET.parse(out / "gpu_check_junit.xml").getroot()
+    assert suite.get("failures") == "0" and int(suite.get("tests")) > len(rows)
+    doc = json.loads((out / "gpu_check_results.json").read_text())
+    assert doc["verdict"].startswith("DRY RUN PASS") and len(doc["rows"]) == len(rows)
+
+
+def test_dry_run_failure_hang_and_budget(tmp_path):
+    repo, out = fake_repo(tmp_path), tmp_path / "out"
+    rc, lines = dry_run(repo, out, GPU_CHECK_FAKE="transport_smoke=fail,stress=hang",
+                        GPU_CHECK_TIME_SCALE="0.05", GPU_CHECK_CAPS="stress=100", BUDGET_S="7")  # fmt: skip
+    text = "\n".join(line for _, line in lines)
+    assert rc == 1, text
+    rows = rows_of(lines)
+    assert rows["transport_smoke"][1] == "FAIL" and rows["stress"][1] == "TIMEOUT", rows
+    assert re.search(r"^stress .*did not finish: test_a", text, re.M), text
+    for name in ("transport_rest", "gpu_other", "int4", "bench_moe_gemm", "bench_one_gpu",
+                 "kernels", "topo", "sanitizer"):  # fmt: skip
+        assert rows[name][1] == "skipped: budget", (name, rows)
+    assert rows["inprocess"][1] == "missing"
+    # each row was printed when its step ended, not at the end: the hang came between
+    assert rows["stress"][0] - rows["transport_smoke"][0] > 1.5, rows
+    at = [
+        i for i, (_, line) in enumerate(lines) if "AssertionError: boom in transport_smoke" in line
+    ]
+    row_at = [i for i, (_, line) in enumerate(lines) if line.startswith("transport_smoke ")]
+    assert at and row_at[0] < at[0] < next(
+        i for i, (_, ln) in enumerate(lines) if ln.startswith("stress ")
+    )
+    assert "verdict: DRY RUN FAIL: 2 of" in text and "transport_smoke, stress" in text
+    # the hung step's child died with it
+    pid = int(archive_members(out)["gpu_check/stress.child_pid"])
+    assert _gone(pid), f"the hung step's child {pid} is still running"
+    check_out_dir(out)
+    suite = ET.parse(out / "gpu_check_junit.xml").getroot()
+    assert suite.get("failures") == "3"  # two steps and the fake failing test
+    assert suite.get("errors") == "1"  # the test the hang never finished
+    summary = (out / "gpu_check_summary.txt").read_text()
+    assert "skipped: budget" in summary and "AssertionError: boom in transport_smoke" in summary
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "zombie" in f.read()
+    except FileNotFoundError:
+        return True
+
+
+def test_dry_run_without_gpu_and_without_build_tools(tmp_path):
+    repo = fake_repo(tmp_path)
+    rc, lines = dry_run(repo, tmp_path / "a", GPU_CHECK_FAKE="preflight=nogpu")
+    rows = rows_of(lines)
+    assert rc == 3 and rows["preflight"][1] == "NO GPU" and rows["build"][1] == "ok"
+    assert rows["stress"][1] == "skipped: no GPU" and rows["kernels"][1] == "skipped: no GPU"
+    rc, lines = dry_run(repo, tmp_path / "b", GPU_CHECK_FAKE="preflight=missingtools")
+    rows, text = rows_of(lines), "\n".join(ln for _, ln in lines)
+    assert rc == 1 and rows["build_tools"][1] == "FAIL" and "missing: ninja, pybind11" in text
+    assert rows["build"][1] == "FAIL" and rows["stress"][1] == "skipped: no module"
+
+
+def test_dry_run_module_not_built_and_prebuilt_modules(tmp_path):
+    repo = fake_repo(tmp_path)
+    rc, lines = dry_run(repo, tmp_path / "a", GPU_CHECK_ONLY="stress,int4",
+                        GPU_CHECK_FAKE_MODULES="_transport,_cuda,_cuda_transport")  # fmt: skip
+    rows, text = rows_of(lines), "\n".join(ln for _, ln in lines)
+    assert rc == 1 and rows["build"][1] == "FAIL" and "not built: _moe_int4" in text
+    assert rows["int4"][1] == "skipped: no module" and "needs pcie_a2a._moe_int4" in text
+    assert rows["stress"][1] == "ok"
+    # a full build's modules come back and spare the next call its build
+    assert dry_run(repo, tmp_path / "b", GPU_CHECK_ONLY="topo")[0] == 0
+    prebuilt = str(tmp_path / "b" / "gpu_check_modules.tar.gz")
+    rc, lines = dry_run(repo, tmp_path / "c", GPU_CHECK_PREBUILT=prebuilt,
+                        GPU_CHECK_FAKE="build=fail", GPU_CHECK_ONLY="topo")  # fmt: skip
+    rows, text = rows_of(lines), "\n".join(ln for _, ln in lines)
+    assert rc == 0 and rows["build"][1] == "ok" and "prebuilt: 4 modules" in text, text
+    assert rows["topo"][1] == "ok" and rows["stress"][1] == "skipped: not selected"
+    (repo / "csrc" / "bindings" / "cuda.cu").write_text("// changed\n")
+    rc, lines = dry_run(repo, tmp_path / "d", GPU_CHECK_PREBUILT=prebuilt,
+                        GPU_CHECK_FAKE="build=fail", GPU_CHECK_ONLY="topo")  # fmt: skip
+    text = "\n".join(ln for _, ln in lines)
+    assert rc == 1 and "prebuilt modules do not match (source_hash differ); building" in text
+
+
+def test_dry_run_interrupted_still_reports(tmp_path):
+    repo, out = fake_repo(tmp_path), tmp_path / "out"
+    proc = subprocess.Popen(
+        ["bash", str(repo / "scripts" / "gpu_check.sh")],
+        env=_env(GPU_CHECK_DRY_RUN="1", LOG_DIR=str(out), GPU_CHECK_FAKE="stress=hang"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        for line in proc.stdout:
+            if line.startswith("  > stress"):
+                time.sleep(0.5)
+                proc.send_signal(signal.SIGTERM)
+                break
+        rest = proc.stdout.read()
+        rc = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert rc == 1, rest
+    assert re.search(r"^interrupted\s+FAIL\s.*SIGTERM", rest, re.M), rest
+    assert "stress" not in json.loads((out / "gpu_check_results.json").read_text())["tests"]
+    pid = int(archive_members(out)["gpu_check/stress.child_pid"])
+    assert _gone(pid)
+
+
+# ---- the real pieces that need no GPU ------------------------------------------------------
+def test_real_pytest_step_selects_the_smoke_tier_and_reports_skips(tmp_path):
+    """The real transport_smoke step (pytest, the plugin, the results file) on this CPU:
+    tier 1 holds every SMOKE_TESTS name once (and whatever the files mark smoke), no tier-2
+    test, and all of them skip here."""
+    from pcie_a2a import cuda_available
+
+    if cuda_available():
+        pytest.skip("a GPU is usable here: the tests would run instead of skipping")
+    out = tmp_path / "out"
+    r = subprocess.run(
+        ["bash", str(SCRIPTS / "gpu_check.sh")],
+        env=_env(LOG_DIR=str(out), GPU_CHECK_SKIP="preflight,build",
+                 GPU_CHECK_ONLY="transport_smoke", GPU_CHECK_FORCE="1",
+                 PYTHONPATH=os.pathsep.join(sys.path)),
+        capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    m = re.search(r"^transport_smoke\s+(\S+)\s.*$", r.stdout, re.M)
+    assert m and m.group(1) == "SKIPPED", r.stdout + r.stderr
+    assert "not found" not in m.group(0), m.group(0)
+    doc = json.loads((out / "gpu_check_results.json").read_text())
+    ran = [t["nodeid"] for t in doc["tests"]["transport_smoke"]]
+    assert f"nothing ran: 0 passed; {len(ran)} skipped" in m.group(0)
+    plan = _load("gpu_check_plan")
+    for name in plan.SMOKE_TESTS:
+        assert sum(n.endswith((f"[{name}]", f"::{name}")) for n in ran) == 1, (name, ran)
+    assert not any("leak" in n or "multi_" in n for n in ran), ran
+
+
+def test_preflight_without_gpu(tmp_path):
+    from pcie_a2a import cuda_available
+
+    if cuda_available():
+        pytest.skip("a GPU is usable here")
+    out = tmp_path / "p.json"
+    r = subprocess.run(
+        [sys.executable, str(SCRIPTS / "gpu_preflight.py"), "--json", str(out), "--timeout", "60"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 3, r.stdout + r.stderr
+    doc = json.loads(out.read_text())
+    assert doc["gpu_count"] == 0 and doc["no_gpu_reason"]
+    assert doc["host"]["cores"] >= 1 and doc["host"]["dev_shm_bytes"] > 0
+    assert "missing" in doc["build_tools"] and doc["torch_probe"]["torch"]
+
+
+def test_preflight_parsers():
+    pf = _load("gpu_preflight")
+    csv = "NVIDIA H200, 580.159.04, Default, 9.0, 143771 MiB, 5, 5, 16, 16, 00000000:18:00.0\n"
+    gpus = pf.parse_smi_csv(csv + "garbage line\n")
+    assert (
+        len(gpus) == 1 and gpus[0]["compute_cap"] == "9.0" and gpus[0]["compute_mode"] == "Default"
+    )
+    assert pf.cuda_archs(gpus) == "90-real"
+    assert pf.cuda_archs(
+        [{"compute_cap": "12.0"}, {"compute_cap": "9.0"}]
+    ) == "12.0-real;9.0-real".replace(".", "")
+    assert pf.cuda_archs([{"compute_cap": "[N/A]"}]) == "native"
+    mem = "FB Memory Usage\n Total : 143771 MiB\nBAR1 Memory Usage\n    Total   : 262144 MiB\n    Used : 1 MiB\n"
+    assert pf.parse_bar1_mib(mem) == [262144]
+    assert pf.version_tuple("cmake version 3.31.6") == (3, 31, 6) >= pf.CMAKE_MIN
+    assert pf.version_tuple("release 13.0, V13.0.88") == (13, 0)
+
+
+def test_kernel_breakdown_aggregates_device_events():
+    kb = _load("gpu_kernel_breakdown")
+
+    def ev(name, us, device="DeviceType.CUDA"):
+        return SimpleNamespace(name=name, device_type=device,
+                               time_range=SimpleNamespace(elapsed_us=lambda: us))  # fmt: skip
+
+    events = [ev("void pcie_a2a::send_kernel<2, bf16>(Args const*)", 10.0)] * 4 + [
+        ev("Memcpy DtoH (Device -> Pageable)", 2.0)] * 2 + [ev("cudaLaunchKernel", 99.0, "DeviceType.CPU")]  # fmt: skip
+    rows = kb.aggregate(events, calls=2)
+    assert [r["name"] for r in rows] == [
+        "pcie_a2a::send_kernel",
+        "Memcpy DtoH (Device -> Pageable)",
+    ]
+    assert rows[0]["per_call"] == 2 and rows[0]["mean_us"] == 10 and rows[0]["us_per_call"] == 20
+    assert kb.kernels_per_call(rows) == 2 and kb.copies_per_call(rows) == (1, 0)
+
+
+def test_kernel_breakdown_checks_its_calls_on_the_cpu_and_needs_a_gpu():
+    """--backend cpu runs every call and its check on the CPU transport; the default
+    (cuda) exits 2 without a GPU."""
+    from pcie_a2a import cuda_available
+
+    env = _env(PYTHONPATH=os.pathsep.join(sys.path))
+    script = str(SCRIPTS / "gpu_kernel_breakdown.py")
+    r = subprocess.run([sys.executable, script, "--small", "--backend", "cpu"],
+                       capture_output=True, text=True, timeout=180, env=env)  # fmt: skip
+    assert r.returncode == 0 and "summary: 6 calls checked" in r.stdout, r.stdout + r.stderr
+    if not cuda_available():
+        r = subprocess.run([sys.executable, script], capture_output=True, text=True,
+                           timeout=120, env=env)  # fmt: skip
+        assert r.returncode == 2 and "needs a GPU" in r.stderr, r.stdout + r.stderr
+
+
+def test_bench_flags_the_script_no_longer_has_drop_out(tmp_path):
+    steps = _load("gpu_check_steps")
+    script = tmp_path / "bench.py"
+    script.write_text('ap.add_argument("--model")\nap.add_argument("--iters", type=int)\n')
+    got = steps.tolerant_args(
+        script, [("--model", "kimi-k2"), ("--rows", "1", "16"), ("--iters", "10")]
+    )
+    assert got == ["--model", "kimi-k2", "--iters", "10"]
+    assert steps.tolerant_args(tmp_path / "gone.py", [("--x",)]) == []
+
+
+def test_report_files_stay_within_the_limits(tmp_path, monkeypatch):
+    rep = _load("gpu_check_report")
+    monkeypatch.setattr(rep, "MAX_FILE_BYTES", 1 << 20)  # 16 MiB on the device: scaled down
+    work = tmp_path / "work"
+    work.mkdir()
+    for i in range(3):
+        (work / f"step{i}.log").write_bytes(os.urandom(1 << 20))  # incompressible
+    data = rep.logs_archive(work)
+    assert len(data) <= 1 << 20
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        members = tar.getmembers()
+        assert len(members) == 3  # every log kept, each cut to its end
+        tail = tar.extractfile(members[0]).read()
+    assert tail.startswith(b"[gpu_check: first ") and (work / "step0.log").read_bytes().endswith(
+        tail[-1000:]
+    )
+
+
+def test_docs_table_matches_the_plan():
+    doc = json.loads(_plan("--plan-json").stdout)
+    table = dict(
+        re.findall(r"^\| (\w+) \| (\d+) \|", (ROOT / "docs" / "gpu_check.md").read_text(), re.M)
+    )
+    assert {s["name"]: int(s["cap_s"]) for s in doc["steps"]} == {
+        k: int(v) for k, v in table.items()
+    }
+    planned = sum(s["cap_s"] for s in doc["steps"] if s["counted"]) + doc["reserve_s"]
+    assert (
+        f"{doc['budget_s']:.0f} s: {planned:.0f} s planned"
+        in (ROOT / "docs" / "gpu_check.md").read_text()
+    )
