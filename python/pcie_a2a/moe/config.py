@@ -6,7 +6,9 @@ when present):
 ==============  ===========================================================================
 deepseek_v3     sigmoid + ``e_score_correction_bias``, grouped top-k (``topk_method``
 kimi_k2         ``noaux_tc``: top-2-sum group score), renormalise, ``routed_scaling_factor``,
-                ``n_shared_experts`` shared experts of ``moe_intermediate_size`` each.
+glm4_moe        ``n_shared_experts`` shared experts of ``moe_intermediate_size`` each.
+                (GLM-4.5's config has no ``topk_method``/``scoring_func``: its router is
+                the same sigmoid + correction-bias one, the defaults.)
 qwen3_moe       softmax top-k, ``norm_topk_prob``; no shared expert.
 mixtral         softmax top-k renormalised (= softmax over the top-k logits).
 ==============  ===========================================================================
@@ -48,7 +50,7 @@ from pcie_a2a.quant.formats import Int4Weights
 
 from .router import Router
 
-ARCHS = ("deepseek_v3", "kimi_k2", "qwen3_moe", "mixtral")
+ARCHS = ("deepseek_v3", "kimi_k2", "glm4_moe", "qwen3_moe", "mixtral")
 INT4_METHODS = ("compressed-tensors", "gptq", "awq")
 FP8_BLOCK = 128
 
@@ -204,7 +206,8 @@ def _quant_spec(q: Mapping | None) -> QuantSpec | None:
 
 
 def parse_config(hf_config: Mapping) -> MoESpec:
-    """Reads a Hugging Face ``config.json`` dict (Kimi K2, DeepSeek-V3, Qwen3-MoE, Mixtral)."""
+    """Reads a Hugging Face ``config.json`` dict (Kimi K2, DeepSeek-V3, GLM-4.5, Qwen3-MoE,
+    Mixtral)."""
     if not isinstance(hf_config, Mapping):
         raise _fail(TypeError, "hf_config", type(hf_config).__name__, "a dict (config.json)")
     quant = hf_config.get("quantization_config")
@@ -217,7 +220,7 @@ def parse_config(hf_config: Mapping) -> MoESpec:
         raise _fail(ValueError, "hf_config['model_type']", repr(arch), ", ".join(map(repr, ARCHS)))
     hidden = int(_get(cfg, "hidden_size"))
     qspec = _quant_spec(quant)
-    if arch in ("deepseek_v3", "kimi_k2"):
+    if arch in ("deepseek_v3", "kimi_k2", "glm4_moe"):
         scoring = _get(cfg, "scoring_func", default="sigmoid")
         method = _get(cfg, "topk_method", default="noaux_tc")
         if method not in ("noaux_tc", "greedy", "group_limited_greedy"):
