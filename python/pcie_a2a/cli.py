@@ -1,4 +1,5 @@
-"""The ``pcie-a2a`` command: ``bench`` (dispatch benchmark) and ``topo`` (topology plan)."""
+"""The ``pcie-a2a`` command: ``bench`` (dispatch benchmark), ``topo`` (topology plan) and
+``plan`` (which parallel configuration and flags for a model on a box)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     from pcie_a2a.bench import cli as bench_cli
+    from pcie_a2a.configplan import cli as plan_cli
     from pcie_a2a.topology import cli as topo_cli
 
     bench_cli.add_parser(sub)
     topo_cli.add_parser(sub)
+    plan_cli.add_parser(sub)
 
     args = parser.parse_args(argv)
     return int(args.func(args) or 0)

@@ -1,0 +1,119 @@
+"""Parallel configurations, in SGLang's nesting: ``tp`` GPUs per pipeline stage, ``pp``
+stages; attention split into ``attn_dp`` data-parallel groups of ``tp / attn_dp`` (TP
+inside a group); the MoE split into ``ep`` expert-parallel ranks of ``tp / ep`` (MoE TP
+inside a rank). ``comm`` says how tokens meet their experts:
+
+=============  ================================================================================
+``tp``         MoE TP only (ep = 1): every GPU runs a slice of every expert, one all-reduce
+               after attention and one after the MLP.
+``allreduce``  EP inside TP attention: every GPU has every token and runs only its experts;
+               the all-reduce that follows the MLP sums them (SGLang ``--ep`` with
+               ``--moe-a2a-backend none``; vLLM ``--enable-expert-parallel`` without DP).
+``ag-rs``      DP attention + EP: all-gather the tokens before the MoE, reduce-scatter after
+               (SGLang DP attention with a2a ``none``; vLLM's ``allgather_reducescatter``).
+``a2a-nccl``   DP attention + EP: NCCL ``all_to_all_single`` dispatch and combine, one row
+               per (token, expert), bf16 both ways.
+``pcie_a2a``   DP attention + EP: this package's dispatch/combine (a row per (token, rank),
+               fp8 or bf16 out, bf16 pre-reduced back).
+=============  ================================================================================
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+COMMS = ("tp", "allreduce", "ag-rs", "a2a-nccl", "pcie_a2a")
+_COMM_LABEL = {
+    "allreduce": "all-reduce",
+    "ag-rs": "AG/RS",
+    "a2a-nccl": "NCCL a2a",
+    "pcie_a2a": "pcie_a2a",
+}
+
+
+@dataclass(frozen=True)
+class Config:
+    tp: int  # GPUs per pipeline stage (SGLang --tp-size)
+    pp: int = 1
+    attn_dp: int = 1
+    ep: int = 1
+    comm: str = "tp"
+    redundant: int = 0
+    payload: str = "fp8"  # pcie_a2a dispatch payload
+    tried: bool = False  # a configuration users try, listed to show why it fails
+
+    def __post_init__(self) -> None:
+        if self.comm not in COMMS:
+            raise ValueError(f"comm {self.comm!r}: allowed {', '.join(COMMS)}")
+        for name in ("tp", "pp", "attn_dp", "ep"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}: got {v!r}; allowed: an int >= 1")
+        if self.payload not in ("fp8", "bf16"):
+            raise ValueError(f"payload {self.payload!r}: allowed fp8, bf16")
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp
+
+    @property
+    def attn_tp(self) -> int:
+        return max(self.tp // self.attn_dp, 1)
+
+    @property
+    def moe_tp(self) -> int:
+        return max(self.tp // self.ep, 1)
+
+    @property
+    def name(self) -> str:
+        if self.tp == 1:
+            base = f"PP{self.pp}" if self.pp > 1 else "1 GPU"
+            return base
+        if self.tp % self.attn_dp:
+            att = f"TP{self.tp} DP{self.attn_dp}"  # does not nest: shown as typed
+        elif self.attn_dp > 1:
+            att = f"DP{self.attn_dp}" if self.attn_tp == 1 else f"TP{self.attn_tp}xDP{self.attn_dp}"
+        else:
+            att = f"TP{self.tp}"
+        pp = f"xPP{self.pp}" if self.pp > 1 else ""
+        if self.comm == "tp":
+            return att + pp
+        moe = f"+EP{self.ep} {_COMM_LABEL[self.comm]}"
+        if self.redundant:
+            moe += f" +{self.redundant} redundant"
+        return att + pp + moe
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(num_gpus: int, redundant: int = 0, payload: str = "fp8") -> list[Config]:
+    """The configurations the plan evaluates on ``num_gpus`` GPUs, then the ones users try
+    that cannot run (each is listed with its reason)."""
+    out: list[Config] = []
+    for pp in _divisors(num_gpus):
+        tp = num_gpus // pp
+        if tp == 1:
+            out.append(Config(1, pp))
+            continue
+        out.append(Config(tp, pp))
+        out.append(Config(tp, pp, 1, tp, "allreduce", redundant))
+        if pp > 1:
+            continue
+        for dp in _divisors(tp)[1:]:
+            for comm in ("ag-rs", "a2a-nccl", "pcie_a2a"):
+                out.append(Config(tp, 1, dp, tp, comm, redundant, payload))
+    if num_gpus >= 4:
+        n = num_gpus
+        out += [
+            Config(2 * n, 1, tried=True),  # more GPUs than the box has
+            Config(n, 1, 1, 3, "allreduce", tried=True),  # --ep 3 inside --tp n
+            Config(n, 1, 3, n, "ag-rs", tried=True),  # --dp 3 inside --tp n
+            Config(n, 1, 1, n, "pcie_a2a", tried=True),  # pcie_a2a without DP attention
+        ]
+        if n % 3 and n > 6:
+            out.append(Config(6, 1, tried=True))  # 6 of the GPUs
+        if redundant == 0:
+            out.append(Config(n, 1, n, n, "pcie_a2a", 2 * n, payload, tried=True))
+    return out

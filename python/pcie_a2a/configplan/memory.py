@@ -1,0 +1,128 @@
+"""Memory per GPU: weights, communication buffers, activations, KV cache -> fits or not,
+and how many requests of a given context the KV cache holds.
+
+Weights per GPU follow the layouts of :mod:`.configs`: attention, shared expert, dense MLPs,
+embedding and LM head are split over the attention TP group (replicated across DP-attention
+groups); routed experts are split over EP ranks (E / ep each, plus redundant slots) and over
+MoE TP. The busiest pipeline stage counts (the most layers, and the embedding or LM head).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pcie_a2a.bench.memory import segment_bytes
+
+from .configs import Config
+from .gpus import Gpu
+from .models import ModelShape
+from .stacks import GIB, Stack
+
+# Fixed per-GPU allowances (assumed, small next to the weights of these models).
+NCCL_BUFFERS = 0.5 * GIB  # "assumed: NCCL channel buffers of the TP/EP/PP communicators"
+CUDA_GRAPHS = 1.0 * GIB  # "assumed: CUDA-graph pools (vLLM counts them in its budget)"
+ACTIVATION_COPIES = 12  # "assumed: live [tokens, hidden] bf16 tensors at the peak of a step"
+PCIE_A2A_MAX_TOKENS = 4096  # PCIE_A2A_MAX_TOKENS_PER_RANK default (docs/sglang.md)
+
+
+@dataclass(frozen=True)
+class Memory:
+    weights: float  # bytes per GPU
+    buffers: float
+    activations: float
+    budget: float
+    budget_note: str
+    kv_per_request: float  # bytes on the GPU holding it, at the planned context
+    kv_free: float
+    max_requests: int  # across the whole configuration (all DP groups)
+
+    @property
+    def fits(self) -> bool:
+        return self.max_requests >= 1
+
+    def summary(self) -> str:
+        g = GIB
+        s = (
+            f"weights {self.weights / g:.1f} + buffers {self.buffers / g:.1f} + activations "
+            f"{self.activations / g:.1f} GiB of {self.budget / g:.1f} ({self.budget_note})"
+        )
+        if self.fits:
+            return s + f"; KV {self.kv_free / g:.1f} GiB holds {self.max_requests} requests"
+        return s + f": out of memory by {-self.kv_free / g:.1f} GiB"
+
+
+def pcie_a2a_tokens(stack: Stack, cfg: Config, chunk: int) -> int:
+    """Tokens per rank pcie_a2a's buffers are sized for: the default, raised to what one
+    rank passes in a prefill chunk (SGLang divides the chunk over DP ranks; vLLM's DP
+    engines each take a whole chunk), as the launch lines set PCIE_A2A_MAX_TOKENS_PER_RANK."""
+    per_rank = chunk // cfg.attn_dp if stack.framework == "sglang" else chunk
+    return max(PCIE_A2A_MAX_TOKENS, per_rank)
+
+
+def stage_layers(model: ModelShape, pp: int) -> list[tuple[int, int]]:
+    """(layers, MoE layers) per stage: contiguous, the remainder to the first stages; the
+    dense layers come first (DeepSeek/Kimi/GLM put them at the bottom)."""
+    base, rem = divmod(model.layers, pp)
+    out, start = [], 0
+    for s in range(pp):
+        n = base + (1 if s < rem else 0)
+        dense = max(0, min(model.dense_layers - start, n))
+        out.append((n, n - dense))
+        start += n
+    return out
+
+
+def weights_per_gpu(model: ModelShape, cfg: Config, stage: int) -> float:
+    n, n_moe = stage_layers(model, cfg.pp)[stage]
+    at = cfg.attn_tp
+    w = n * model.attention_bytes(at)
+    slots = (model.experts + cfg.redundant) / cfg.ep if cfg.ep > 1 else model.experts
+    w += n_moe * (slots * model.expert_bytes() / cfg.moe_tp + model.router_bytes())
+    if model.shared_intermediate:
+        w += n_moe * model.mlp_bytes(model.shared_intermediate, "shared") / at
+    w += (n - n_moe) * model.mlp_bytes(model.dense_intermediate, "dense") / at
+    if stage == 0:
+        w += model.embedding_bytes() / at
+    if stage == cfg.pp - 1 and not model.tie_embeddings:
+        w += model.lm_head_bytes() / at
+    return w + model.extra_weight_bytes
+
+
+def memory(
+    model: ModelShape,
+    cfg: Config,
+    gpu: Gpu,
+    stack: Stack,
+    context: int,
+    kv_bytes: float,
+) -> Memory:
+    budget, note = stack.memory_budget(gpu, cfg)
+    chunk, _ = stack.prefill_chunk(gpu)
+    worst = None
+    for s in range(cfg.pp):
+        n = stage_layers(model, cfg.pp)[s][0]
+        weights = weights_per_gpu(model, cfg, s)
+        buffers = NCCL_BUFFERS
+        if cfg.comm == "pcie_a2a":
+            buffers += segment_bytes(
+                cfg.ep, pcie_a2a_tokens(stack, cfg, chunk), model.hidden, model.top_k, cfg.payload
+            )
+        tokens = max(chunk // cfg.attn_dp, 1)
+        act = ACTIVATION_COPIES * tokens * model.hidden * 2.0
+        act += tokens * model.top_k * 2 * model.moe_intermediate / cfg.moe_tp * 2.0 * 2
+        if stack.activations_in_budget:
+            act += CUDA_GRAPHS
+        else:
+            act = 0.0  # inside SGLang's reserve
+        per_req = max(context, 1) * n * model.kv_bytes_per_token(cfg.attn_tp, kv_bytes)
+        free = budget - weights - buffers - act
+        reqs = int(free // per_req) * cfg.attn_dp if free > 0 else 0
+        m = Memory(weights, buffers, act, budget, note, per_req, free, reqs)
+        if worst is None or (m.max_requests, m.kv_free) < (worst.max_requests, worst.kv_free):
+            worst = m
+    assert worst is not None
+    return worst
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b) if b else a

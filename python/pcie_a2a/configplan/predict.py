@@ -1,0 +1,191 @@
+"""The step model: the time of one decode step (or one prefill chunk) of a configuration,
+term by term, on the busiest GPU of each pipeline stage.
+
+Each compute term is a roofline, ``max(bytes / (bandwidth x memory_efficiency),
+flops / (peak x tensor_efficiency))``; routed experts are further divided by the GEMM
+efficiency at their rows per expert. Communication terms come from :mod:`.comm` and
+:mod:`.exchange`; the stack adds its fitted overhead. A pipeline of ``pp`` stages runs
+``min(pp, C)`` micro-batches: time per output token is the larger of one trip through all
+stages and ``micro-batches x slowest stage``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pcie_a2a.topology import Topology
+
+from . import comm as cm
+from .configs import Config
+from .exchange import Exchanges
+from .gpus import Gpu
+from .imbalance import Routing, place, rank_load
+from .memory import ceil_div, stage_layers
+from .models import ModelShape, WeightFormat
+from .stacks import Stack
+from .tables import Tables
+
+TERMS = ("attention", "experts", "shared", "comm", "imbalance", "other", "overhead")
+
+
+@dataclass
+class Env:
+    model: ModelShape
+    gpu: Gpu
+    stack: Stack
+    tables: Tables
+    routing: Routing
+    context: int
+    kv_bytes: float
+    exchanges: Exchanges
+    topology: Topology | None = None
+    _loads: dict = field(default_factory=dict)
+
+    def compute_dtype(self, fmt: WeightFormat) -> str:
+        if fmt.kind == "fp8" and self.gpu.has("fp8"):
+            return "fp8"
+        return "bf16"
+
+    def roofline(self, nbytes: float, flops: float, dtype: str) -> float:
+        t = self.tables
+        mem = nbytes / (self.gpu.bandwidth_gbps * 1e3 * t.memory_efficiency)
+        fl = flops / (self.gpu.peak_tflops(dtype) * 1e6 * t.tensor_efficiency)
+        return max(mem, fl)
+
+    def load(self, cfg: Config, tokens: int):
+        key = (cfg.ep, cfg.redundant, tokens)
+        if key not in self._loads:
+            placement = place(self.routing, cfg.ep, cfg.redundant)
+            self._loads[key] = rank_load(self.routing, placement, self.model.top_k, tokens)
+        return self._loads[key]
+
+
+@dataclass(frozen=True)
+class Step:
+    """One decode step (all pipeline stages) of ``concurrency`` requests."""
+
+    concurrency: int
+    terms: dict[str, float]  # µs, summed over the stages a token passes
+    tpot_us: float
+    tok_s: float
+    sources: dict[str, tuple[str, str]]  # communication term -> (kind, source)
+    micro_batches: int
+
+    @property
+    def total_us(self) -> float:
+        return sum(self.terms.values())
+
+
+def _stage(env: Env, cfg: Config, stage: int, tokens: int, ctx: int, src: dict) -> dict:
+    """Terms (µs) of one stage for ``tokens`` tokens in flight through it."""
+    m, g = env.model, env.gpu
+    at, ad, st = cfg.attn_tp, cfg.attn_dp, env.stack
+    n, n_moe = stage_layers(m, cfg.pp)[stage]
+    b_att = ceil_div(tokens, ad)  # tokens on the busiest attention group
+    h = m.hidden
+    t = dict.fromkeys(TERMS, 0.0)
+
+    # attention: weights, KV cache read at the context, projections + core FLOPs
+    w = m.attention_bytes(at)
+    kv = b_att * ctx * m.kv_bytes_per_token(at, env.kv_bytes)
+    flops = 2.0 * b_att * m.attention_params_per_rank(at)
+    flops += b_att * ctx * m.attention_flops_per_context_token() / at
+    t["attention"] = n * env.roofline(w + kv, flops, env.compute_dtype(m.fmt("attention")))
+
+    # activations outside the GEMMs, router, dense layers
+    act = env.tables.activation_passes * b_att * h * 2.0
+    other = n * env.roofline(act, 0.0, "bf16")
+    other += n_moe * env.roofline(m.router_bytes(), 2.0 * b_att * h * m.experts, "bf16")
+    if n > n_moe:
+        dense = m.mlp_bytes(m.dense_intermediate, "dense") / at
+        fl = 2.0 * b_att * 3 * h * m.dense_intermediate / at
+        other += (n - n_moe) * env.roofline(dense, fl, env.compute_dtype(m.fmt("dense")))
+
+    # routed experts on the busiest EP rank, and what the average rank would take
+    load = env.load(cfg, tokens) if n_moe else None
+    if load is not None and tokens:
+        eb, ep_flops = m.expert_bytes() / cfg.moe_tp, 2.0 * m.expert_params() / cfg.moe_tp
+        dt = env.compute_dtype(m.fmt("experts"))
+
+        def experts_us(active: float, rows: float) -> float:
+            if active <= 0:
+                return 0.0
+            eff = env.tables.gemm_efficiency(rows / active)
+            return env.roofline(active * eb, rows * ep_flops, dt) / eff
+
+        mean = experts_us(load.mean_experts, load.mean_rows)
+        busy = max(experts_us(load.max_experts, load.max_rows), mean)
+        t["experts"] = n_moe * mean
+        t["imbalance"] = n_moe * (busy - mean)
+        t["overhead"] += n_moe * st.expert_us * load.max_experts
+        if m.shared_intermediate:
+            sb = m.mlp_bytes(m.shared_intermediate, "shared") / at
+            fl = 2.0 * b_att * 3 * h * m.shared_intermediate / at
+            t["shared"] = n_moe * env.roofline(sb, fl, env.compute_dtype(m.fmt("shared")))
+
+    # embedding (a row per token) and LM head with its logits gather
+    if stage == 0:
+        other += env.roofline(b_att * h * 2.0, 0.0, "bf16")
+    if stage == cfg.pp - 1:
+        fl = 2.0 * b_att * m.vocab * h / at
+        other += env.roofline(m.lm_head_bytes() / at, fl, env.compute_dtype(m.fmt("lm_head")))
+        gather = cm.nccl("all_gather", b_att * m.vocab * 2.0, at, g, env.tables)
+        t["comm"] += gather.us
+        if at > 1:
+            src["logits gather"] = (gather.kind, gather.source)
+    t["other"] = other
+
+    # communication per layer
+    hid = b_att * h * 2.0
+    ar = cm.all_reduce(hid, at, g, env.tables, st.allreduce)
+    if cfg.comm in ("tp", "allreduce"):
+        t["comm"] += 2 * n * ar.us
+        if at > 1:
+            src["all-reduce"] = (ar.kind, ar.source)
+    else:
+        if at > 1:  # inside a DP group: attention output + MoE output consistency
+            t["comm"] += 2 * n * ar.us
+            src["all-reduce"] = (ar.kind, ar.source)
+        if n_moe and tokens:
+            ex = env.exchanges.cost(cfg, tokens, env)
+            t["comm"] += n_moe * ex.us
+            src[cfg.comm] = (ex.kind, ex.source)
+    t["overhead"] += n * st.layer_us
+    return t
+
+
+def _pp_send(env: Env, cfg: Config, stage: int, tokens: int, src: dict) -> float:
+    if cfg.pp == 1:
+        return 0.0
+    a = stage * cfg.tp
+    b = ((stage + 1) % cfg.pp) * cfg.tp
+    size = tokens * env.model.hidden * 2.0 if stage < cfg.pp - 1 else tokens * 8.0
+    gbps, lat, where = env.exchanges.pair(a, b)
+    c = cm.p2p_send(size, gbps, lat, env.tables, where)
+    src["pp send"] = (c.kind, c.source)
+    return c.us
+
+
+def step(env: Env, cfg: Config, concurrency: int, ctx: int | None = None) -> Step:
+    """Decode step of ``concurrency`` requests at the environment's context (or ``ctx``)."""
+    ctx = env.context if ctx is None else ctx
+    mb = min(cfg.pp, max(concurrency, 1))
+    tokens = ceil_div(concurrency, mb)
+    src: dict[str, str] = {}
+    totals = dict.fromkeys(TERMS, 0.0)
+    slowest = 0.0
+    for s in range(cfg.pp):
+        t = _stage(env, cfg, s, tokens, ctx, src)
+        t["comm"] += _pp_send(env, cfg, s, tokens, src)
+        slowest = max(slowest, sum(t.values()))
+        for k, v in t.items():
+            totals[k] += v
+    trip = sum(totals.values())
+    tpot = max(trip, mb * slowest)
+    return Step(concurrency, totals, tpot, concurrency / tpot * 1e6, src, mb)
+
+
+def prefill(env: Env, cfg: Config, chunk: int) -> Step:
+    """One prefill chunk of ``chunk`` tokens (causal: on average chunk / 2 tokens of
+    context each). ``tok_s`` is prefill tokens per second."""
+    return step(env, cfg, chunk, ctx=chunk // 2)
