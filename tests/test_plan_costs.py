@@ -1,0 +1,320 @@
+"""`pcie-a2a plan`: each cost term against a hand calculation (Kimi K2.6 on 8x RTX PRO 6000
+unless stated), the tables' interpolation, and the load-imbalance estimate against a
+seeded Monte Carlo of top-k routing."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from pcie_a2a.configplan import comm
+from pcie_a2a.configplan.calibrate import calibration_env
+from pcie_a2a.configplan.configs import Config
+from pcie_a2a.configplan.exchange import Exchanges, dispatch_row_bytes
+from pcie_a2a.configplan.gpus import GPUS
+from pcie_a2a.configplan.imbalance import (
+    from_counts,
+    pick_probabilities,
+    place,
+    rank_hit_probability,
+    rank_load,
+    uniform,
+    zipf,
+)
+from pcie_a2a.configplan.measured import Measured
+from pcie_a2a.configplan.models import WeightFormat, load_model
+from pcie_a2a.configplan.predict import step
+from pcie_a2a.configplan.stacks import STACKS
+from pcie_a2a.configplan.tables import KB, MB, Curve, Tables
+from pcie_a2a.configplan.topo import synthetic_topology
+from pcie_a2a.topology import Traffic, expected_distinct_ranks, plan
+
+H, I, L, E, K, V = 7168, 2048, 61, 384, 8, 163840
+BW = 1792e3 * 0.85  # bytes per µs at the assumed memory efficiency
+PRO = GPUS["rtx-pro-6000"]
+
+
+@pytest.fixture(scope="module")
+def kimi():
+    return load_model("kimi-k2.6")
+
+
+def env_for(stack: str = "vllm-tuned", layer_us: float = 0.0, expert_us: float = 0.0, **kw):
+    s = replace(STACKS[stack], layer_us=layer_us, expert_us=expert_us)
+    return replace(calibration_env(s, Tables()), **kw)
+
+
+# ---- weights ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "fmt, k, want",
+    [
+        (WeightFormat("bf16"), 7168, 2.0),
+        (WeightFormat("fp8"), 7168, 1 + 4 / 16384),
+        (WeightFormat("int4", 32), 7168, 0.5 + 2 / 32),
+        (WeightFormat("int4", 128, zeros=True), 7168, 0.5 + 2 / 128 + 0.5 / 128),
+        (WeightFormat("int4", -1), 2048, 0.5 + 2 / 2048),
+    ],
+)
+def test_bytes_per_weight(fmt, k, want):
+    assert fmt.bytes_per_weight(k) == pytest.approx(want, rel=1e-12)
+
+
+def test_bad_weight_format_names_the_argument():
+    with pytest.raises(ValueError, match="weight format 'int3'"):
+        WeightFormat("int3")
+    with pytest.raises(ValueError, match="int4 group 3"):
+        WeightFormat("int4", 3)
+
+
+def test_kimi_weights_by_hand(kimi):
+    # research/marlin_anchors.md s2.4: 24.77 MB per INT4 g32 expert, 9.51 GB per layer
+    assert kimi.expert_bytes() == 3 * H * I * (0.5 + 2 / 32) == 24_772_608
+    split, repl = kimi.attention_params()
+    q_a, q_b = H * 1536, 1536 * 64 * 192
+    kv_a, kv_b, o = H * (512 + 64), 512 * 64 * (128 + 128), 64 * 128 * H
+    assert (split, repl) == (q_b + kv_b + o, q_a + kv_a)
+    assert kimi.attention_bytes(8) == pytest.approx(2 * ((q_b + kv_b + o) / 8 + q_a + kv_a))
+    assert kimi.fmt("experts").label == "int4-g32"
+    assert {kimi.fmt(p).kind for p in ("attention", "shared", "dense", "lm_head")} == {"bf16"}
+    # the checkpoint is ~594 GB (marlin_anchors s2.4); ours leaves out norms and biases
+    text_only = kimi.total_weight_bytes() - kimi.extra_weight_bytes
+    assert text_only == pytest.approx(594e9, rel=0.01)
+
+
+def test_kv_cache_bytes(kimi):
+    # MLA caches the latent (512) + rope key (64) once per token and layer, whatever the TP
+    assert kimi.kv_bytes_per_token(1, 2.0) == kimi.kv_bytes_per_token(8, 2.0) == 1152
+    qwen = load_model("qwen3-235b-a22b")  # 4 KV heads of 128
+    assert qwen.kv_bytes_per_token(2, 2.0) == 2 * 2 * 128 * 2
+    assert qwen.kv_bytes_per_token(8, 2.0) == 2 * 1 * 128 * 2  # replicated past 4 ranks
+    assert qwen.kv_bytes_per_token(8, 1.0) == 2 * 128
+
+
+# ---- the decode step, term by term ------------------------------------------------------------
+
+
+def test_tp8_decode_terms_at_c1_by_hand(kimi):
+    env = env_for(layer_us=10.0)
+    s = step(env, Config(8), 1)
+    split, repl = kimi.attention_params()
+    attn = L * 2 * (split / 8 + repl) / BW
+    assert s.terms["attention"] == pytest.approx(attn, rel=1e-9)
+    # one token touches 8 experts; MoE TP 8: each GPU reads 1/8 of each (60 MoE layers)
+    assert s.terms["experts"] == pytest.approx(60 * 8 * 24_772_608 / 8 / BW, rel=1e-6)
+    assert s.terms["imbalance"] == 0.0
+    assert s.terms["shared"] == pytest.approx(60 * 3 * H * I * 2 / 8 / BW, rel=1e-9)
+    ar = Tables().custom_ar8(H * 2)  # 14,336 B: 11.8 µs measured
+    assert ar == pytest.approx(11.8)
+    lo, hi = math.log(256 * KB), math.log(1 * MB)
+    t = (math.log(V * 2) - lo) / (hi - lo)  # logits gather of 1 x vocab bf16, log-log
+    gather = math.exp(math.log(45.4) + t * (math.log(76.9) - math.log(45.4)))
+    assert s.terms["comm"] == pytest.approx(2 * L * ar + gather, rel=1e-6)
+    assert s.terms["overhead"] == pytest.approx(10.0 * L)
+    assert s.tpot_us == pytest.approx(sum(s.terms.values()))
+    assert s.tok_s == pytest.approx(1e6 / s.tpot_us)
+
+
+def test_kv_read_and_attention_flops_at_context(kimi):
+    base = step(env_for(context=0), Config(8), 4).terms["attention"]
+    ctx = 4096
+    got = step(env_for(context=ctx), Config(8), 4).terms["attention"]
+    # KV read (bandwidth-bound here): 4 requests x 4096 tokens x 1152 B per layer
+    assert got - base == pytest.approx(L * 4 * ctx * 1152 / BW, rel=1e-6)
+    # DP attention: each of 8 groups holds a quarter of nothing... 4 requests on 4 groups,
+    # the busiest group reads one request's KV with the whole attention replicated
+    dp = step(env_for(context=ctx), Config(8, 1, 8, 8, "ag-rs"), 4).terms["attention"]
+    split, repl = kimi.attention_params()
+    assert dp == pytest.approx(L * (2 * (split + repl) + ctx * 1152) / BW, rel=1e-6)
+
+
+def test_ep_imbalance_and_expert_overhead(kimi):
+    env = env_for(stack="sglang-stock", expert_us=7.0)
+    cfg = Config(8, ep=8, comm="allreduce")
+    s = step(env, cfg, 1)
+    load = env.load(cfg, 1)
+    assert load.mean_experts == pytest.approx(1.0)  # 8 experts over 8 ranks
+    full = 24_772_608 / BW
+    assert s.terms["experts"] == pytest.approx(60 * full, rel=1e-6)
+    assert s.terms["imbalance"] == pytest.approx(60 * (load.max_experts - 1) * full, rel=1e-6)
+    assert s.terms["overhead"] == pytest.approx(60 * 7.0 * load.max_experts, rel=1e-9)
+    # stock SGLang all-reduces through NCCL: 27.4 µs at 16 KB, log-log down to 14,336 B
+    t = (math.log(H * 2) - math.log(4 * KB)) / (math.log(16 * KB) - math.log(4 * KB))
+    ar = math.exp(math.log(25.5) + t * (math.log(27.4) - math.log(25.5)))
+    assert s.sources["all-reduce"][0] == "measured"
+    assert comm.all_reduce(H * 2, 8, PRO, Tables(), "nccl").us == pytest.approx(ar)
+
+
+def test_compute_bound_prefill_uses_tensor_peak(kimi):
+    env = env_for()
+    s = step(env, Config(8), 8192, ctx=0)
+    # dense layer 0 at 8192 tokens: FLOPs 2 x 8192 x 3 H I_dense / 8 at 500 TFLOPS x 0.6
+    fl = 2 * 8192 * 3 * H * 18432 / 8 / (500e6 * 0.6)
+    by = 3 * H * 18432 * 2 / 8 / BW
+    assert fl > by
+    assert s.terms["other"] >= fl  # the dense MLP is in "other"
+
+
+def test_pipeline_parallel_trip_and_micro_batches(kimi):
+    env = env_for(layer_us=5.0)
+    one = step(env, Config(1, 2), 1)
+    assert one.micro_batches == 1 and one.tpot_us == pytest.approx(sum(one.terms.values()))
+    many = step(env, Config(1, 2), 64)
+    assert many.micro_batches == 2
+    # two micro-batches of 32: TPOT is 2 x the slower stage, at least one full trip
+    assert many.tpot_us >= sum(many.terms.values()) - 1e-6
+    assert many.tok_s == pytest.approx(64 / many.tpot_us * 1e6)
+
+
+# ---- communication ----------------------------------------------------------------------------
+
+
+def test_curve_interpolation_and_extension():
+    c = Curve(((1.0, 10.0), (4.0, 40.0), (16.0, 100.0)), "test")
+    assert c(0.5) == 10.0  # the latency floor below the first point
+    assert c(2.0) == pytest.approx(20.0)  # log-log between points
+    assert c(32.0) == pytest.approx(100.0 + (100 - 40) / 12 * 16)  # last segment's bandwidth
+    with pytest.raises(ValueError, match="increasing"):
+        Curve(((2.0, 1.0), (1.0, 2.0)), "bad")
+
+
+def test_derived_nccl_alpha_beta_by_hand():
+    t = Tables()
+    g4090 = GPUS["rtx-4090"]
+    size = 2 * MB
+    got = comm.nccl("all_gather", size, 4, g4090, t)
+    a8_ar, a4_ar = 25.5, 14.7
+    alpha = (a4_ar + (a8_ar - a4_ar) / 4 * 0) * 14.7 / 25.5  # world 4, all_gather floor
+    busbw = (7 / 8) * 16 * MB / (653 - 14.7) * 25.0 / 53.0
+    assert got.kind == "derived"
+    assert got.us == pytest.approx(alpha + (3 / 4) * size / busbw, rel=1e-9)
+    assert comm.nccl("alltoall", 0, 8, PRO, t).us == 0.0
+    assert comm.nccl("alltoall", 4 * KB, 1, PRO, t).kind == "none"
+    with pytest.raises(ValueError, match="collective op"):
+        comm.nccl("broadcast", 1, 8, PRO, t)
+
+
+def test_tuned_all_reduce_switches_to_patched_nccl_above_56kb():
+    t = Tables()
+    small = comm.all_reduce(48 * KB, 8, PRO, t, "tuned")
+    assert small.kind == "measured" and small.us == pytest.approx(t.custom_ar8(48 * KB))
+    big = comm.all_reduce(2 * MB, 8, PRO, t, "tuned")
+    assert big.kind == "model"
+    assert big.us == pytest.approx(25.5 + 1.75 * 2 * MB / 40e3, rel=1e-9)
+    assert big.us < comm.all_reduce(2 * MB, 8, PRO, t, "nccl").us
+    with pytest.raises(ValueError, match="all-reduce mode"):
+        comm.all_reduce(1, 8, PRO, t, "fast")
+
+
+def test_pcie_a2a_exchange_is_the_topology_planners_prediction(kimi):
+    env = env_for()
+    topo = synthetic_topology(8, 5)
+    ex = Exchanges(topo, Measured(), 5)
+    cfg = Config(8, 1, 8, 8, "pcie_a2a")
+    tokens = 128  # 16 per rank
+    got = ex.cost(cfg, tokens, env)
+    p_hit = expected_distinct_ranks(8, E, K) / 8
+    rows = 16 * p_hit
+
+    def matrix(b):
+        return tuple(tuple(0.0 if s == d else rows * b for d in range(8)) for s in range(8))
+
+    disp = Traffic("d", matrix(16 + 8 * K + H + 4 * (H // 128)))
+    comb = Traffic("c", matrix(2 * H))
+    want = sum(r.predicted_us for r in plan(topo, [disp, comb]).reports) + 2 * 5.0
+    assert got.us == pytest.approx(want, rel=1e-9)
+    assert got.kind == "model"
+    assert dispatch_row_bytes(H, K, "bf16") == 16 + 64 + 2 * H
+
+
+def test_nccl_alltoall_and_ag_rs_exchanges(kimi):
+    env = env_for()
+    ex = env.exchanges
+    a2a = ex.cost(Config(8, 1, 8, 8, "a2a-nccl"), 256, env)
+    load = env.load(Config(8, 1, 8, 8, "a2a-nccl"), 256)
+    size = 32 * K * H * 2 * load.rows_factor
+    assert a2a.us == pytest.approx(2 * Tables().nccl8["alltoall"](size))
+    agrs = ex.cost(Config(8, 1, 8, 8, "ag-rs"), 256, env)
+    size = 256 * H * 2
+    t = Tables().nccl8
+    assert agrs.us == pytest.approx(t["all_gather"](size) + t["reduce_scatter"](size))
+
+
+# ---- load imbalance ---------------------------------------------------------------------------
+
+
+def _monte_carlo(share, k, ranks, tokens, seed=3):
+    """Top-k without replacement, weighted (Gumbel top-k), contiguous placement."""
+    rng = np.random.default_rng(seed)
+    samples = max(150, 2000 // tokens)  # the max of many tokens varies little
+    q = np.asarray(share)
+    e = len(q)
+    rows, experts = [], []
+    for _ in range(samples):
+        g = np.log(q)[None, :] - np.log(-np.log(rng.random((tokens, e))))
+        picks = np.argpartition(-g, k, axis=1)[:, :k]
+        rows.append(np.bincount((picks // (e // ranks)).ravel(), minlength=ranks).max())
+        touched = np.zeros(e, bool)
+        touched[picks.ravel()] = True
+        experts.append(touched.reshape(ranks, -1).sum(1).max())
+    return float(np.mean(rows)), float(np.mean(experts))
+
+
+@pytest.mark.parametrize("tokens", [1, 16, 128])
+def test_uniform_imbalance_against_monte_carlo(tokens):
+    r = uniform(E)
+    load = rank_load(r, place(r, 8), K, tokens)
+    rows, experts = _monte_carlo(r.share, K, 8, tokens)
+    assert load.mean_rows == pytest.approx(tokens * K / 8)
+    assert load.max_rows == pytest.approx(rows, rel=0.08)
+    assert load.max_experts == pytest.approx(experts, rel=0.05)
+
+
+def test_skewed_imbalance_against_monte_carlo():
+    r = zipf(E, 1.0, seed=0)
+    load = rank_load(r, place(r, 8), K, 64)
+    rows, experts = _monte_carlo(r.share, K, 8, 64)
+    assert load.max_rows == pytest.approx(rows, rel=0.15)
+    assert load.max_experts == pytest.approx(experts, rel=0.1)
+    assert load.rows_factor > rank_load(uniform(E), place(uniform(E), 8), K, 64).rows_factor
+
+
+def test_redundant_experts_spread_the_hot_expert():
+    counts = [1.0] * 16
+    counts[0] = 16.0  # one expert takes half of the routed pairs
+    r = from_counts(counts, 16, "test")
+    plain = rank_load(r, place(r, 4), 2, 256)
+    pl = place(r, 4, redundant=4)
+    assert sum(len(s) for s in pl.slots) == 20
+    assert sum(sh for s in pl.slots for x, sh in s if x == 0) == pytest.approx(1.0)
+    assert len({rank for rank, s in enumerate(pl.slots) if any(x == 0 for x, _ in s)}) >= 3
+    balanced = rank_load(r, pl, 2, 256)
+    assert balanced.max_rows < 0.8 * plain.max_rows
+    with pytest.raises(ValueError, match="redundant"):
+        place(r, 4, redundant=3)
+
+
+def test_pick_probabilities_sum_to_k_and_cap_at_one():
+    share = np.array([0.5, 0.3, 0.1, 0.05, 0.05])
+    p = pick_probabilities(share, 2)
+    assert p.sum() == pytest.approx(2.0) and p.max() <= 1.0 + 1e-12
+    assert p[0] == pytest.approx(1.0)
+
+
+def test_rank_hit_probability_uniform_is_exact():
+    r = uniform(E)
+    hit = rank_hit_probability(r, place(r, 8), K)
+    assert sum(hit) == pytest.approx(expected_distinct_ranks(8, E, K), rel=1e-12)
+
+
+def test_routing_counts_checked():
+    with pytest.raises(ValueError, match="expected 4 per-expert counts"):
+        from_counts([1, 2, 3], 4, "f.json")
+    with pytest.raises(ValueError, match="not all 0"):
+        from_counts([0, 0, 0, 0], 4, "f.json")
+    per_layer = from_counts([[1, 1, 2, 0], [2, 2, 4, 0]], 4, "f.json")
+    assert per_layer.share == pytest.approx((0.25, 0.25, 0.5, 0.0))
