@@ -159,17 +159,6 @@ def test_compute_bound_prefill_uses_tensor_peak(kimi):
     assert s.terms["other"] >= fl  # the dense MLP is in "other"
 
 
-def test_pipeline_parallel_trip_and_micro_batches(kimi):
-    env = env_for(layer_us=5.0)
-    one = step(env, Config(1, 2), 1)
-    assert one.micro_batches == 1 and one.tpot_us == pytest.approx(sum(one.terms.values()))
-    many = step(env, Config(1, 2), 64)
-    assert many.micro_batches == 2
-    # two micro-batches of 32: TPOT is 2 x the slower stage, at least one full trip
-    assert many.tpot_us >= sum(many.terms.values()) - 1e-6
-    assert many.tok_s == pytest.approx(64 / many.tpot_us * 1e6)
-
-
 # ---- communication ----------------------------------------------------------------------------
 
 
@@ -318,3 +307,54 @@ def test_routing_counts_checked():
         from_counts([0, 0, 0, 0], 4, "f.json")
     per_layer = from_counts([[1, 1, 2, 0], [2, 2, 4, 0]], 4, "f.json")
     assert per_layer.share == pytest.approx((0.25, 0.25, 0.5, 0.0))
+
+
+def test_pipeline_tpot_is_micro_batches_times_the_slowest_stage():
+    from pcie_a2a.configplan import predict
+
+    env = env_for(layer_us=5.0)
+    cfg = Config(1, 2)
+    s = step(env, cfg, 64)
+    stages = []
+    for st in range(2):  # 61 layers: 31 (embedding, dense layer 0) + 30 (LM head)
+        t = predict._stage(env, cfg, st, 32, env.context, {})
+        stages.append(sum(t.values()) + predict._pp_send(env, cfg, st, 32, {}))
+    assert stages[0] != pytest.approx(stages[1])
+    assert s.tpot_us == pytest.approx(2 * max(stages))
+    assert s.tpot_us > sum(stages)
+    assert step(env, cfg, 1).tpot_us == pytest.approx(
+        sum(sum(predict._stage(env, cfg, st, 1, 0, {}).values()) for st in range(2))
+        + sum(predict._pp_send(env, cfg, st, 1, {}) for st in range(2))
+    )
+
+
+def test_custom_all_reduce_stops_at_56kb():
+    t = Tables()
+    assert comm.all_reduce(100 * KB, 8, PRO, t, "tuned").kind == "model"
+    assert comm.all_reduce(50 * 1000, 8, PRO, t, "tuned").kind == "measured"
+
+
+def test_fit_recovers_known_constants():
+    """Calibration points made by the model itself at known constants come back exactly."""
+    from pcie_a2a.configplan.calibrate import fit, peak
+    from pcie_a2a.configplan.stacks import CalPoint
+
+    truth = replace(STACKS["sglang-stock"], layer_us=50.0, expert_us=20.0)
+    env = calibration_env(truth, Tables())
+    ep = Config(8, ep=8, comm="allreduce")
+    c_peak, peak_tok_s = peak(env, ep)
+    points = (
+        CalPoint(Config(8), 1, step(env, Config(8), 1).tok_s, "model"),
+        CalPoint(ep, 1, step(env, ep, 1).tok_s, "model"),
+        CalPoint(ep, None, peak_tok_s, "model"),
+    )
+    got = fit(replace(truth, points=points, layer_us=0.0, expert_us=0.0))
+    assert got.layer_us == pytest.approx(50.0, rel=1e-6)
+    assert got.expert_us == pytest.approx(20.0, rel=1e-6)
+    for _, measured, model in got.residuals:
+        assert model == pytest.approx(measured, rel=1e-6)
+    assert f"C={c_peak}" in got.residuals[2][0]
+    # without the per-expert constant, the same points cannot all be met
+    one = fit(replace(truth, points=points, fit_expert=False))
+    assert one.expert_us == 0.0
+    assert max(abs(m / t - 1) for _, t, m in one.residuals) > 0.02
