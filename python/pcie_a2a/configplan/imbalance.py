@@ -217,12 +217,12 @@ def rank_load(routing: Routing, placement: Placement, k: int, tokens: int) -> Lo
     for slots in placement.slots:
         ps = [p[x] * share for x, share in slots]
         q = float(sum(ps))  # expected rows per token on this rank
-        rows.append(tokens * q)
+        rows.append(float(tokens * q))
         n = tokens * k
         pmf = np.exp(_log_binom_pmf(n, min(q / k, 1.0)))
         row_cdfs.append(np.minimum(np.cumsum(pmf), 1.0))
         a = [1.0 - (1.0 - min(s, 1.0)) ** tokens for s in ps]
-        touched.append(sum(a))
+        touched.append(float(sum(a)))
         exp_cdfs.append(_poisson_binomial_cdf(a))
     if placement.ranks == 1:  # nothing to be unbalanced against
         return Load(tokens, rows[0], rows[0], touched[0], touched[0])
