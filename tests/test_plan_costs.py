@@ -115,6 +115,9 @@ def test_tp8_decode_terms_at_c1_by_hand(kimi):
     gather = math.exp(math.log(45.4) + t * (math.log(76.9) - math.log(45.4)))
     assert s.terms["comm"] == pytest.approx(2 * L * ar + gather, rel=1e-6)
     assert s.terms["overhead"] == pytest.approx(10.0 * L)
+    # other: dense layer 0, 60 routers, LM head (vocab-parallel), activations, embedding row
+    other = 3 * H * 18432 * 2 / 8 + 60 * 2 * E * H + V * H * 2 / 8 + L * 8 * H * 2 + H * 2
+    assert s.terms["other"] == pytest.approx(other / BW, rel=1e-9)
     assert s.tpot_us == pytest.approx(sum(s.terms.values()))
     assert s.tok_s == pytest.approx(1e6 / s.tpot_us)
 
@@ -358,3 +361,18 @@ def test_fit_recovers_known_constants():
     one = fit(replace(truth, points=points, fit_expert=False))
     assert one.expert_us == 0.0
     assert max(abs(m / t - 1) for _, t, m in one.residuals) > 0.02
+
+
+def test_redundant_experts_under_skew_prefill_and_decode():
+    """Replicas balance the rows: that removes the imbalance of a compute-bound prefill
+    chunk; a decode step streams weights, and replicas do not reduce the distinct experts a
+    rank must read (they add slots), so decode keeps its imbalance."""
+    env = env_for(routing=zipf(E, 1.0, seed=0))
+    cfg, spread = Config(8, ep=8, comm="allreduce"), Config(8, ep=8, comm="allreduce", redundant=16)
+    pre, pre_r = step(env, cfg, 8192, ctx=4096), step(env, spread, 8192, ctx=4096)
+    assert pre.terms["imbalance"] > 0.5 * pre.terms["experts"]
+    assert pre_r.terms["imbalance"] < 0.05 * pre.terms["imbalance"]
+    assert env.load(spread, 256).rows_factor < 0.7 * env.load(cfg, 256).rows_factor
+    dec, dec_r = step(env, cfg, 256), step(env, spread, 256)
+    assert dec_r.terms["imbalance"] > 0.8 * dec.terms["imbalance"]
+    assert dec_r.terms["experts"] > dec.terms["experts"]  # more slots to stream

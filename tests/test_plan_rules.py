@@ -198,3 +198,10 @@ def test_launch_lines_without_pcie_a2a():
     assert "--moe-a2a-backend" not in a
     eplb = launch.vllm(replace(Config(8, 1, 8, 8, "ag-rs"), redundant=8), "m", 0, False, 8192)
     assert "--enable-eplb" in eplb and '"num_redundant_experts": 8' in eplb
+
+
+def test_candidates_with_and_without_redundant_experts():
+    names = [c.name for c in candidates(8, redundant=8)]
+    assert "TP8+EP8 all-reduce" in names and "TP8+EP8 all-reduce +8 redundant" in names
+    assert "DP8+EP8 pcie_a2a" in names and "DP8+EP8 pcie_a2a +8 redundant" in names
+    assert "TP8 +8 redundant" not in names

@@ -124,7 +124,6 @@ def make_plan(inp: Inputs) -> PlanResult:
         inp.context,
         1.0 if inp.kv_dtype == "fp8" else 2.0,
         exchanges,
-        topo,
     )
     results = evaluate_all(env, n, inp.redundant, inp.payload)
     notes += exchanges.notes

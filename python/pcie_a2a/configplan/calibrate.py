@@ -70,7 +70,6 @@ def calibration_env(stack: Stack, tables: Tables) -> Env:
         CAL_CONTEXT,
         2.0,
         Exchanges(topo, Measured(), GPUS[CAL_GPU].pcie_gen),
-        topo,
     )
 
 

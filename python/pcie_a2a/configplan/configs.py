@@ -89,21 +89,23 @@ def _divisors(n: int) -> list[int]:
 
 
 def candidates(num_gpus: int, redundant: int = 0, payload: str = "fp8") -> list[Config]:
-    """The configurations the plan evaluates on ``num_gpus`` GPUs, then the ones users try
-    that cannot run (each is listed with its reason)."""
+    """The configurations the plan evaluates on ``num_gpus`` GPUs (the expert-parallel ones
+    with and without ``redundant`` extra expert slots), then the ones users try that cannot
+    run (each is listed with its reason)."""
     out: list[Config] = []
+    slots = (0, redundant) if redundant else (0,)  # with and without redundant experts
     for pp in _divisors(num_gpus):
         tp = num_gpus // pp
         if tp == 1:
             out.append(Config(1, pp))
             continue
         out.append(Config(tp, pp))
-        out.append(Config(tp, pp, 1, tp, "allreduce", redundant))
+        out += [Config(tp, pp, 1, tp, "allreduce", r) for r in slots]
         if pp > 1:
             continue
         for dp in _divisors(tp)[1:]:
             for comm in ("ag-rs", "a2a-nccl", "pcie_a2a"):
-                out.append(Config(tp, 1, dp, tp, comm, redundant, payload))
+                out += [Config(tp, 1, dp, tp, comm, r, payload) for r in slots]
     if num_gpus >= 4:
         n = num_gpus
         out += [

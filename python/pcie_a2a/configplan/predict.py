@@ -13,8 +13,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pcie_a2a.topology import Topology
-
 from . import comm as cm
 from .configs import Config
 from .exchange import Exchanges
@@ -38,7 +36,6 @@ class Env:
     context: int
     kv_bytes: float
     exchanges: Exchanges
-    topology: Topology | None = None
     _loads: dict = field(default_factory=dict)
 
     def compute_dtype(self, fmt: WeightFormat) -> str:

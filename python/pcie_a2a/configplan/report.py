@@ -366,6 +366,7 @@ def plot(path: Path, p: PlanResult) -> str | None:
     if not shown:
         return "no configuration has a curve"
     fig, ax = plt.subplots(figsize=(10, 6.5))
+    colors = plt.get_cmap("tab20")
     style = {"tp": "-", "allreduce": "--", "ag-rs": "-.", "a2a-nccl": ":", "pcie_a2a": "-"}
     for i, r in enumerate(shown):
         xs, ys = zip(*r.curve)
@@ -374,7 +375,7 @@ def plot(path: Path, p: PlanResult) -> str | None:
             ys,
             marker="o" if r.config.comm == "pcie_a2a" else ".",
             ls=style[r.config.comm],
-            color=f"C{i % 10}",
+            color=colors(i % 20),
             alpha=1.0 if r.runs else 0.35,
             label=r.config.name + ("" if r.runs else " (cannot run)"),
         )
