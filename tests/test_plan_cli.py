@@ -349,3 +349,17 @@ def test_config_json_path(tmp_path):
         )
     )
     assert p.model.experts == 8 and p.model.attention == "gqa"
+
+
+def test_probe_in_the_topology_packages_format(tmp_path):
+    from pcie_a2a.configplan.measured import Measured, read_probe
+    from pcie_a2a.topology import PairMeasurement, Probe
+
+    f = tmp_path / "probe.json"
+    f.write_text(Probe({(0, 1): PairMeasurement(p2p_gbps=60.0, p2p_us=2.0)}, "box").to_json())
+    m = Measured()
+    read_probe(str(f), m)
+    assert m.probe.get(0, 1) == PairMeasurement(p2p_gbps=60.0, p2p_us=2.0)
+    p = make_plan(Inputs(topo=str(TOPO), probe=str(f)))
+    assert p.env.exchanges.topo_plan.pair(0, 1).gbps == 60.0  # faster than staging: P2P
+    assert "measured for 1 of 56 pairs" in p.env.exchanges.pair_numbers()
