@@ -179,10 +179,10 @@ def recommendation_lines(p: PlanResult) -> list[str]:
                 out.append(f"  {fw}: {cmd[fw]}")
     if ours:
         out.append(
-            "  pcie_a2a rows are predictions (topology planner) with the stack's CUDA-graph "
-            "overhead; today's integrations need --disable-cuda-graph / --enforce-eager "
-            "(docs/sglang.md, docs/vllm.md), whose extra overhead is not modelled; nothing of "
-            "pcie_a2a has run on a GPU yet"
+            "  pcie_a2a rows are predictions of its CUDA transport (topology planner) with the "
+            "stack's CUDA-graph overhead; today's integrations need --disable-cuda-graph / "
+            "--enforce-eager and stage tokens through host memory (docs/sglang.md, docs/vllm.md, "
+            "known limits), which is not modelled; nothing of pcie_a2a has run on a GPU yet"
         )
     return out
 
