@@ -1,4 +1,5 @@
-"""The ``pcie-a2a`` command: ``bench`` (dispatch benchmark) and ``topo`` (topology plan)."""
+"""The ``pcie-a2a`` command: ``bench`` (dispatch benchmark), ``topo`` (topology plan) and
+``probe`` (measure this machine's GPU pairs and decide per pair)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from pcie_a2a.bench import cli as bench_cli
     from pcie_a2a.topology import cli as topo_cli
+    from pcie_a2a.topology import probe_cli
 
     bench_cli.add_parser(sub)
     topo_cli.add_parser(sub)
+    probe_cli.add_parser(sub)
 
     args = parser.parse_args(argv)
     return int(args.func(args) or 0)

@@ -12,6 +12,7 @@ from .live import cuda_peer_matrix, discover, nvml_info
 from .model import Gpu, Nic, NumaNode, P2PStatus, RootPort, Switch, Topology, class_rank
 from .nccl_xml import parse_xml
 from .nvidia_smi import parse_p2p_matrix, parse_topo
+from .p2p_test import parse_p2p_test
 from .planner import (
     Link,
     PairPlan,
@@ -24,7 +25,7 @@ from .planner import (
     plan,
     with_reports,
 )
-from .probe import PairMeasurement, Probe, ProbeUnavailable, load_probe, measure, parse_p2p_test
+from .probe import PairMeasurement, Probe, ProbeUnavailable, load_probe
 from .render import format_plan, format_tree
 from .sources import current, load, parse
 from .staging import alloc_staging
@@ -58,7 +59,6 @@ __all__ = [
     "kimi_k2_decode",
     "load",
     "load_probe",
-    "measure",
     "nvml_info",
     "parse",
     "parse_p2p_matrix",
