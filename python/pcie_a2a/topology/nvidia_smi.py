@@ -81,12 +81,19 @@ def _is_header(line: str) -> bool:
     return first == "GPU0" and not re.match(r"^[\s|]*GPU0[\s|]+X\b", line)
 
 
+def _header_tokens(cell: str) -> list[str]:
+    if "\t" in cell:
+        return [c.strip() for c in cell.split("\t")]
+    return [re.sub(r"\s+", " ", m.group()) for m in _TAIL_NAMES.finditer(cell)]
+
+
 def _header(line: str) -> tuple[str, list[str], list[str]]:
     """(mode, device columns, tail columns). The mode says how the rows are laid out: ``md``
     (pipes), ``tab`` (nvidia-smi's own output) or ``space`` (aligned, or collapsed blanks,
     as pasted into chats)."""
     if "|" in line:
-        mode, cells = "md", [c for c in _pipe_cells(line) if c]
+        # A piped cell may hold several columns (pipes around a tab or blank aligned line)
+        mode, cells = "md", [t for c in _pipe_cells(line) for t in _header_tokens(c) if t]
     elif "\t" in line:
         mode, cells = "tab", [c.strip() for c in line.split("\t") if c.strip()]
     else:
@@ -101,15 +108,19 @@ def _row(line: str, mode: str, ndev: int) -> tuple[str, list[str], list[str], bo
     """(label, class cells, the cells after them, whether those are positional). A row is
     read by its own layout (pasted tables mix piped and plain lines); a row cut off short
     gives fewer class cells."""
-    if line.count("|") >= 2 or (mode == "md" and "|" in line):
+    if "|" in line:
         cells = _pipe_cells(line)
-        if not (cells and " " in cells[0].strip() and len(cells) < 1 + ndev):
-            return (cells[0] if cells else ""), cells[1 : 1 + ndev], cells[1 + ndev :], True
-        # "| GPU0  X  PIX  NODE |": pipes around a blank-separated row; read it as one
+        blanks = any(re.search(r"\s", c.strip()) for c in cells)
+        if cells and not (blanks and len(cells) < 1 + ndev):
+            return cells[0], cells[1 : 1 + ndev], cells[1 + ndev :], True
+        # Pipes around (or inside) a tab or blank aligned row: read it without them.
+        line = line.replace("|", " ")
     if mode == "tab" and "\t" in line:
         cells = [c.strip() for c in line.split("\t")]
         if cells and cells[0] == "":
             cells = cells[1:]
+        if cells and cells[-1] == "" and len(cells) > 1 + ndev:
+            cells = cells[:-1]
         return (cells[0] if cells else ""), cells[1 : 1 + ndev], cells[1 + ndev :], True
     tokens = line.replace("|", " ").split()
     return (tokens[0] if tokens else ""), tokens[1 : 1 + ndev], tokens[1 + ndev :], False

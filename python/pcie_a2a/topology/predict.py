@@ -8,9 +8,10 @@ another, each as slow as its slowest flow, links shared among a round's flows, t
 factor for pushing flows that trigger it). This is "the floor the probe's own numbers
 predict" that the benchmark is held to (issue 11: within 1.3x).
 
-What it leaves out, so the measured time can only be higher: kernel launches, the count
-exchange before dispatch, packing and unpacking the rows, and any overlap loss between
-rounds.
+What it leaves out, so the measured time should only be higher: kernel launches, the count
+exchange before dispatch, packing and unpacking the rows. ``bound_us`` is the busiest
+link's bytes at its capacity, the time no schedule can beat; the round model is at or
+above it (rounds do not overlap, and a round lasts as long as its slowest flow).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class Prediction:
     combine_us: float
     dispatch_mb: float  # bytes on the wire, all pairs
     combine_mb: float
+    bound_us: float = 0.0  # dispatch + combine: the busiest link's bytes at its capacity
 
     @property
     def total_us(self) -> float:
@@ -79,6 +81,7 @@ def predict(
                 rep[1].predicted_us,
                 rep[0].total_bytes / 1e6,
                 rep[1].total_bytes / 1e6,
+                rep[0].bottleneck_us + rep[1].bottleneck_us,
             )
         )
     sources = {q.estimate.startswith("probe") for q in p.pairs}
@@ -101,7 +104,7 @@ def format_predictions(boxes: Sequence[BoxPrediction]) -> str:
         "Kimi K2 decode step (hidden 7168, 384 experts, top-8, uniform routing), predicted "
         "floor in us",
         f"  {'box':<58} {'GPUs':>4} {'tok':>4} {'basis':<6} {'pull':>4} {'host':>4} {'CE':>3} "
-        f"{'payload':<7} {'dispatch':>8} {'combine':>8} {'total':>8}",
+        f"{'payload':<7} {'dispatch':>8} {'combine':>8} {'total':>8} {'bound':>7}",
     ]
     for b in boxes:
         name = os.path.basename(b.source) or b.source
@@ -112,10 +115,14 @@ def format_predictions(boxes: Sequence[BoxPrediction]) -> str:
             out.append(
                 f"  {name:<58} {b.num_gpus:>4} {b.tokens:>4} {b.basis:<6} {b.pull_pairs:>4} "
                 f"{b.staged_pairs:>4} {b.copy_engine_pairs:>3} {r.payload:<7} "
-                f"{r.dispatch_us:>8.1f} {r.combine_us:>8.1f} {r.total_us:>8.1f}"
+                f"{r.dispatch_us:>8.1f} {r.combine_us:>8.1f} {r.total_us:>8.1f} {r.bound_us:>7.1f}"
             )
     out.append(
         "  pull / host / CE: pairs that pull, that go through host memory, that use the copy "
-        "engine; combine is bf16"
+        "engine; combine is bf16;"
+    )
+    out.append(
+        "  total: the rounds one after another (the floor); bound: the busiest link's bytes at "
+        "its capacity, no schedule can beat it"
     )
     return "\n".join(out)
