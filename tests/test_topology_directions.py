@@ -112,7 +112,7 @@ def test_environment_overrides(monkeypatch):
     assert p.pair(0, 2).direction_reason == "PCIE_A2A_DIRECTION=push"
     monkeypatch.delenv("PCIE_A2A_DIRECTION")
     monkeypatch.delenv("PCIE_A2A_ENGINE")
-    monkeypatch.setenv("PCIE_A2A_PAIRS", "0-4:p2p+push; *-7:staged+ce, 2-3:pull")
+    monkeypatch.setenv("PCIE_A2A_PAIRS", "0-4:p2p+push; *-7:staged+ce, 2-3:pull 0-5:staged+pull")
     p = plan(t, options=PlanOptions.from_env())
     q = p.pair(0, 4)
     assert (q.transport, q.direction, q.reason) == ("p2p", "push", "PCIE_A2A_PAIRS sets p2p")
@@ -122,6 +122,9 @@ def test_environment_overrides(monkeypatch):
     )
     assert p.pair(2, 3).direction == "pull" and p.pair(3, 2).direction == "push"
     assert p.pair(0, 2).direction == "pull"  # untouched: the class default
+    staged = p.pair(0, 5)  # a host-staged pair cannot pull, whatever is asked
+    assert (staged.transport, staged.direction) == ("staged", "push")
+    assert staged.direction_reason.startswith("host-staged")
     monkeypatch.setenv("PCIE_A2A_SCHEDULE", "spread")
     assert PlanOptions.from_env().schedule == "spread"
 

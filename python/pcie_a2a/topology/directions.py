@@ -8,9 +8,9 @@ the pair, not a law (research/field_2026.md sections 4 and 5):
 
 Direction, in order (the first rule that applies decides):
 
-1. ``PCIE_A2A_PAIRS`` entry for the pair; 2. ``PCIE_A2A_DIRECTION=push|pull``;
-3. host-staged pairs push (the sender writes into pinned memory on the receiver's node);
-4. NVLink pairs push;
+1. host-staged pairs push (the sender writes into pinned memory on the receiver's node;
+   no override changes that); 2. ``PCIE_A2A_PAIRS`` entry for the pair;
+3. ``PCIE_A2A_DIRECTION=push|pull``; 4. NVLink pairs push;
 5. a probe with both numbers for the pair decides: its rate inside the full all-to-all
    (every GPU storing to / loading from every peer at once, the transport's own load),
    else the pair alone; pull only when it is at least ``PULL_MARGIN`` faster (pull costs
@@ -93,13 +93,13 @@ def decide_direction(
     overrides: tuple[PairOverride, ...],
 ) -> tuple[str, str]:
     """(push or pull, reason) for pair a -> b; see the module comment for the rules."""
+    if transport != "p2p":  # no override can make a host-staged pair pull
+        return PUSH, "host-staged: the sender writes into pinned memory on the receiver's node"
     o = override_for(overrides, a, b, "direction")
     if o is not None:
         return o, f"PCIE_A2A_PAIRS sets {o}"
     if forced is not None:
         return forced, f"PCIE_A2A_DIRECTION={forced}"
-    if transport != "p2p":
-        return PUSH, "host-staged: the sender writes into pinned memory on the receiver's node"
     if is_nvlink(topo.classes[a][b]):
         return PUSH, "NVLink: stores"
     push, pull, where = _rates(probe.get(a, b) if probe else None)

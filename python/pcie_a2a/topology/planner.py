@@ -656,11 +656,8 @@ def plan(
             gen = min(gens[a], gens[b])
             transport, reason = _decide(topo, a, b, opt, gen)
             direction, why_dir = decide_direction(
-                topo, a, b, transport, opt.probe, opt.direction if transport == P2P else None,
-                opt.pair_overrides,
-            )  # fmt: skip
-            if transport != P2P:
-                direction = PUSH  # a staged pair has no pull: the receiver reads host memory
+                topo, a, b, transport, opt.probe, opt.direction, opt.pair_overrides
+            )
             engine, why_eng = decide_engine(
                 topo, a, b, transport, direction, opt.probe, opt.engine, opt.pair_overrides
             )

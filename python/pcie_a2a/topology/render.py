@@ -119,6 +119,8 @@ def _decision_groups(out: list[str], title: str, items: list[tuple[str, str, int
     groups: dict[tuple[str, str], list[tuple[int, int, str]]] = {}
     for choice, reason, a, b in items:
         groups.setdefault((choice, _NUMBER.sub("#", reason)), []).append((a, b, reason))
+    if not items:
+        out.append("  none")
     for (choice, pattern), members in groups.items():
         prs = [(a, b) for a, b, _ in members]
         out.append(
