@@ -13,8 +13,9 @@ Direction, in order (the first rule that applies decides):
 3. ``PCIE_A2A_DIRECTION=push|pull``; 4. NVLink pairs push;
 5. a probe with both numbers for the pair decides: its rate inside the full all-to-all
    (every GPU storing to / loading from every peer at once, the transport's own load),
-   else the pair alone; pull only when it is at least ``PULL_MARGIN`` faster (pull costs
-   a flag round trip more and a read round trip per row batch);
+   else the pair alone (the copy engine's, from either side, when kernel P2P is so slow
+   that both directions would use it); pull only when it is at least ``PULL_MARGIN``
+   faster (pull costs a flag round trip more and a read round trip per row batch);
 6. without numbers, by topology class: a flow that leaves a shared switch whose GPUs can
    write to two or more root complexes (:mod:`.roots`) pulls when the switch is a
    Broadcom/PLX or Microchip part writing into AMD root complexes (the class with the
@@ -73,10 +74,19 @@ def override_for(overrides: tuple[PairOverride, ...], a: int, b: int, what: str)
     return value
 
 
+def _kernel_behind_ce(kernel: float | None, ce: float | None) -> bool:
+    return kernel is not None and ce is not None and kernel < CE_MARGIN * ce
+
+
 def _rates(m: PairMeasurement | None) -> tuple[float | None, float | None, str]:
     """(push rate, pull rate, which measurement) for the direction rule."""
     if m is None:
         return None, None, ""
+    if _kernel_behind_ce(m.store_gbps, m.ce_gbps) and _kernel_behind_ce(
+        m.load_gbps, m.ce_read_gbps
+    ):
+        # Both directions will move with the copy engine (see decide_engine): compare those.
+        return m.ce_gbps, m.ce_read_gbps, "copy engine, pair alone"
     if m.a2a_store_gbps is not None and m.a2a_load_gbps is not None:
         return m.a2a_store_gbps, m.a2a_load_gbps, "in the all-to-all"
     push = m.store_gbps if m.store_gbps is not None else m.p2p_gbps
