@@ -97,6 +97,10 @@ def test_broadcom_record_shows_the_reported_collapse_and_pulls_cross_root():
 def test_direct_attach_record_uses_the_copy_engine_and_names_the_driver_option():
     probe = record(DIRECT)
     assert all(q["engine"] == "copy_engine" for q in probe.decisions["pairs"])
+    # ... and its direction compares the copy engine from either side, not the slow kernels
+    assert all(
+        "(copy engine, pair alone)" in q["direction_reason"] for q in probe.decisions["pairs"]
+    )
     line = next(x for x in probe.diagnosis if "ForceP2P" in x)
     assert 'NVreg_RegistryDwords="ForceP2P=0x11;RMForceP2PType=1;RMPcieP2PType=2"' in line
     assert "15x slower than the copy engine on 56 pairs (NODE/SYS" in line
