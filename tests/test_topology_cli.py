@@ -27,7 +27,7 @@ def test_text_output(capsys):
     assert run("--from", str(BROADCOM)) == 0
     out = capsys.readouterr().out
     assert "8 GPUs, 2 NUMA nodes, 2 sockets, 4 root ports, 4 switches, 0 NICs" in out
-    assert "GPU0  X             PIX  ?P  25.0 NODE ?P  25.0" in out
+    assert "GPU0  X              PIX  ?Ps  25.0 NODE ?Ps  25.0" in out
     assert "GPU4 <- GPU0 GPU1 GPU2 GPU3: NUMA node 1" in out
     assert "most flows on one shared link in any round: 3" in out
     assert "E[distinct ranks] = 5.28 of 8 ranks" in out
@@ -84,7 +84,7 @@ def test_probe_needs_gpus(capsys):
         pytest.skip("this machine has a GPU")
     assert run("--from", str(BROADCOM), "--probe") == 2
     err = capsys.readouterr().err
-    assert "--probe needs CUDA GPUs" in err and "no numbers were measured" in err
+    assert "the probe needs CUDA GPUs" in err and "no numbers were measured" in err
 
 
 def test_errors_exit_nonzero_with_file_and_line(tmp_path, capsys):
@@ -142,7 +142,7 @@ def test_p2p_test_without_connectivity_rtx3090(capsys):
     assert pairs[(1, 0)]["latency_us"] == 20.72
     assert run("--from", str(FIXTURES / "8x-rtx3090-pcie3-p2p-disabled.p2p.txt")) == 0
     out = capsys.readouterr().out
-    assert "GPU0  X             ?    ?H" in out
+    assert "GPU0  X              ?    ?Hs  13.0" in out
     assert "path class ? unknown" in out and "decisions rest on the P2P status" in out
 
 

@@ -350,7 +350,7 @@ def test_nccl_tests_small_message_floor():
             "bad.txt:2",
             "'PIZ' is not a path class",
         ),
-        ("\tGPU0\tGPU1\nGPU0\t X \nGPU1\tPIX\t X \n", "bad.txt:2", "expected 2"),
+        ("\tGPU0\tGPU1\nGPU0\t PIX \tX\nGPU1\tPIX\t X \n", "bad.txt:2", "GPU0/GPU0: expected X"),
         ("\tGPU0\tGPU1\nGPU0\t X \tPIX\nGPU1\tPXB\t X \n", "bad.txt", "a path class is symmetric"),
         (
             "\tGPU0\tGPU1\tNUMA Affinity\nGPU0\t X \tPIX\tzero\nGPU1\tPIX\t X \t0\n",

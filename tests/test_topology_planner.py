@@ -4,6 +4,7 @@ traffic prediction, overrides, purity, and plan JSON round trips."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -68,18 +69,29 @@ def cross_socket_per_round(p: Plan, sockets: list[int]) -> list[int]:
 
 def test_broadcom_box_measured_p2p_everywhere_and_cross_socket_spread():
     t = topo(BROADCOM)
-    p = plan(t, kimi_k2_decode(8), PlanOptions(probe=probe(BROADCOM), default_link_gen=5))
-    assert all(q.transport == "p2p" for q in p.pairs)
+    # p2pBandwidthLatencyTest numbers (no loads, no patterns), vendors not in topo -m: every
+    # pair pushes, and the cross-root pushes of the four 2-GPU switches are phased.
+    opts = PlanOptions(probe=probe(BROADCOM), default_link_gen=5)
+    p = plan(t, kimi_k2_decode(8), opts)
+    assert all(q.transport == "p2p" and q.direction == "push" for q in p.pairs)
     assert p.pair(0, 4).reason == "measured P2P 47.0 GB/s >= staged 28.5 (table)"
     assert (p.pair(0, 1).gbps, p.pair(0, 1).latency_us) == (51.0, 0.73)
-    # 16 cross-socket flows per direction over 7 rounds: at best 3 in the busiest round;
-    # sending in index order (i -> i + r) puts all 4 of a socket's GPUs across in round 4.
+    assert p.phased and p.collapse_violations == 0
+    # Keeping each switch on one destination root complex per round costs the socket link
+    # one flow: 4 in the busiest round instead of 3.
     sockets = [0, 0, 0, 0, 1, 1, 1, 1]
-    assert max(cross_socket_per_round(p, sockets)) == 3
     assert sum(cross_socket_per_round(p, sockets)) == 16
+    assert p.max_shared_load == 4 == shared_load(p, p.rounds)
+    # Without the trigger rule (PCIE_A2A_SCHEDULE=spread): 16 cross-socket flows per
+    # direction over 7 rounds, at best 3 in the busiest round; sending in index order
+    # (i -> i + r) puts all 4 of a socket's GPUs across in round 4.
+    spread = plan(t, kimi_k2_decode(8), replace(opts, schedule="spread"))
+    assert max(cross_socket_per_round(spread, sockets)) == 3
+    assert sum(cross_socket_per_round(spread, sockets)) == 16
     assert shared_load(p, naive_rounds(8)) == 4
-    assert p.max_shared_load == 3 == shared_load(p, p.rounds)
-    dispatch = p.reports[0]
+    assert spread.max_shared_load == 3 == shared_load(spread, spread.rounds)
+    assert not spread.phased and spread.collapse_violations > 0
+    dispatch = spread.reports[0]
     assert dispatch.bottleneck in ("socket0->1", "socket1->0")
     assert dispatch.predicted_us >= dispatch.bottleneck_us > 0
 

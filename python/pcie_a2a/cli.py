@@ -1,5 +1,6 @@
-"""The ``pcie-a2a`` command: ``bench`` (dispatch benchmark), ``topo`` (topology plan) and
-``plan`` (which parallel configuration and flags for a model on a box)."""
+"""The ``pcie-a2a`` command: ``bench`` (dispatch benchmark), ``topo`` (topology plan),
+``probe`` (measure this machine's GPU pairs and decide per pair) and ``plan`` (which
+parallel configuration and flags for a model on a box)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,11 @@ def main(argv: list[str] | None = None) -> int:
     from pcie_a2a.bench import cli as bench_cli
     from pcie_a2a.configplan import cli as plan_cli
     from pcie_a2a.topology import cli as topo_cli
+    from pcie_a2a.topology import probe_cli
 
     bench_cli.add_parser(sub)
     topo_cli.add_parser(sub)
+    probe_cli.add_parser(sub)
     plan_cli.add_parser(sub)
 
     args = parser.parse_args(argv)

@@ -79,6 +79,103 @@ def p2p_level() -> str | None:
     return None if value is None else value.upper()
 
 
+# ---- per-pair decisions and the calibration probe (pcie_a2a.topology) ----------------------
+def _choice(
+    name: str, allowed: tuple[str, ...], aliases: dict[str, str] | None = None
+) -> str | None:
+    """A lower-case choice among `allowed`; None when unset or ``auto``."""
+    value = _get(name)
+    if value is None or value.lower() == "auto":
+        return None
+    v = (aliases or {}).get(value.lower(), value.lower())
+    if v not in allowed:
+        raise ValueError(f"{name}={value!r}: expected auto or one of {', '.join(allowed)}")
+    return v
+
+
+def direction() -> str | None:
+    """PCIE_A2A_DIRECTION: ``push`` or ``pull`` for every P2P pair (default auto: the plan
+    decides per pair from the probe or the topology class)."""
+    return _choice("PCIE_A2A_DIRECTION", ("push", "pull"))
+
+
+def engine() -> str | None:
+    """PCIE_A2A_ENGINE: ``sm`` (kernel-issued loads/stores) or ``copy_engine`` (``ce``) for
+    every pair's payload (default auto: per pair from the probe)."""
+    return _choice("PCIE_A2A_ENGINE", ("sm", "copy_engine"), {"ce": "copy_engine"})
+
+
+def schedule() -> str | None:
+    """PCIE_A2A_SCHEDULE: ``spread`` schedules for shared-link load only and ignores the
+    posted-write collapse trigger (default auto: avoid the trigger for push, then spread)."""
+    return _choice("PCIE_A2A_SCHEDULE", ("spread",))
+
+
+_PAIR_CHOICES = {
+    "push": ("direction", "push"),
+    "pull": ("direction", "pull"),
+    "p2p": ("path", "p2p"),
+    "staged": ("path", "staged"),
+    "sm": ("engine", "sm"),
+    "ce": ("engine", "copy_engine"),
+    "copy_engine": ("engine", "copy_engine"),
+}
+
+
+def pair_overrides() -> list[dict[str, object]]:
+    """PCIE_A2A_PAIRS: per-pair decisions, ``SRC-DST:choice[+choice]`` separated by ``;``,
+    ``,`` or blanks; SRC and DST are topology GPU indices or ``*``; choices: push, pull,
+    p2p, staged, sm, ce (copy_engine). E.g. ``0-4:pull;*-7:staged+ce``. Later entries win.
+    Returns ``[{"src": int | None, "dst": int | None, "path"/"direction"/"engine": str}]``."""
+    value = _get("PCIE_A2A_PAIRS")
+    if value is None:
+        return []
+    out: list[dict[str, object]] = []
+    for entry in value.replace(",", ";").replace(" ", ";").split(";"):
+        if not entry:
+            continue
+        pair, _, choices = entry.partition(":")
+        ends = pair.split("-")
+        ok = len(ends) == 2 and all(e == "*" or e.isdigit() for e in ends) and choices
+        if not ok:
+            raise ValueError(
+                f"PCIE_A2A_PAIRS={value!r}: entry {entry!r}: expected SRC-DST:choice[+choice] "
+                "with SRC and DST a GPU index or *"
+            )
+        item: dict[str, object] = {
+            "src": None if ends[0] == "*" else int(ends[0]),
+            "dst": None if ends[1] == "*" else int(ends[1]),
+        }
+        for c in choices.lower().split("+"):
+            if c not in _PAIR_CHOICES:
+                raise ValueError(
+                    f"PCIE_A2A_PAIRS={value!r}: {c!r} in {entry!r}: expected one of "
+                    f"{', '.join(_PAIR_CHOICES)}"
+                )
+            key, v = _PAIR_CHOICES[c]
+            item[key] = v
+        out.append(item)
+    return out
+
+
+def probe_file() -> str | None:
+    """PCIE_A2A_PROBE_FILE: a recorded probe (``pcie-a2a probe`` JSON or
+    p2pBandwidthLatencyTest output) to plan with instead of this machine's cached one."""
+    return _get("PCIE_A2A_PROBE_FILE")
+
+
+def probe_cache() -> bool:
+    """PCIE_A2A_PROBE_CACHE=0: neither read nor write the per-machine probe cache."""
+    return get_bool("PCIE_A2A_PROBE_CACHE") is not False
+
+
+def cache_dir() -> str:
+    """Where per-machine results are cached: $XDG_CACHE_HOME/pcie_a2a, else
+    ~/.cache/pcie_a2a (the XDG base directory convention)."""
+    base = _get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "pcie_a2a")
+
+
 # Pairs below this stay on warp stores; see csrc/cuda/transport/cuda_transport.cuh. A guess
 # until measured on a PCIe box (benchmarks/bench_cuda_one_gpu.py --copy-engine compares).
 COPY_ENGINE_MIN_BYTES_DEFAULT = 256 * 1024

@@ -1,8 +1,11 @@
-"""Topology discovery, parsers, the transfer planner and NUMA-aware staging memory.
+"""Topology discovery, parsers, the transfer planner (path, direction and engine per pair,
+the phased send schedule), the calibration probe's records, predictions and NUMA-aware
+staging memory.
 
-topo = pcie_a2a.topology.load("box.topo.txt")        # or discover(), or current()
-p = pcie_a2a.topology.plan(topo, kimi_k2_decode(8), PlanOptions.from_env())
+topo, probe = pcie_a2a.topology.current_with_probe()   # or load("box.topo.txt"), discover()
+p = pcie_a2a.topology.plan(topo, kimi_k2_decode(8), PlanOptions.from_env(probe=probe))
 print(format_plan(p))
+print(format_predictions([predict(topo, PlanOptions.from_env(probe=probe))]))
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from .live import cuda_peer_matrix, discover, nvml_info
 from .model import Gpu, Nic, NumaNode, P2PStatus, RootPort, Switch, Topology, class_rank
 from .nccl_xml import parse_xml
 from .nvidia_smi import parse_p2p_matrix, parse_topo
+from .p2p_test import parse_p2p_test
 from .planner import (
     Link,
     PairPlan,
@@ -19,27 +23,43 @@ from .planner import (
     PlanOptions,
     Traffic,
     TrafficReport,
+    decisions_dict,
     expected_distinct_ranks,
     kimi_k2_decode,
     plan,
     with_reports,
 )
-from .probe import PairMeasurement, Probe, ProbeUnavailable, load_probe, measure, parse_p2p_test
+from .predict import BoxPrediction, Prediction, format_predictions, predict
+from .probe import (
+    GpuIdentity,
+    PairMeasurement,
+    PatternMeasurement,
+    Probe,
+    ProbeGateError,
+    ProbeUnavailable,
+    load_probe,
+)
 from .render import format_plan, format_tree
-from .sources import current, load, parse
+from .roots import with_vendor_hints
+from .sources import current, current_with_probe, load, parse
 from .staging import alloc_staging
 
 __all__ = [
+    "BoxPrediction",
     "Gpu",
+    "GpuIdentity",
     "Link",
     "Nic",
     "NumaNode",
     "P2PStatus",
     "PairMeasurement",
     "PairPlan",
+    "PatternMeasurement",
     "Plan",
     "PlanOptions",
+    "Prediction",
     "Probe",
+    "ProbeGateError",
     "ProbeUnavailable",
     "RootPort",
     "Switch",
@@ -51,14 +71,16 @@ __all__ = [
     "class_rank",
     "cuda_peer_matrix",
     "current",
+    "current_with_probe",
+    "decisions_dict",
     "discover",
     "expected_distinct_ranks",
     "format_plan",
+    "format_predictions",
     "format_tree",
     "kimi_k2_decode",
     "load",
     "load_probe",
-    "measure",
     "nvml_info",
     "parse",
     "parse_p2p_matrix",
@@ -66,5 +88,7 @@ __all__ = [
     "parse_topo",
     "parse_xml",
     "plan",
+    "predict",
     "with_reports",
+    "with_vendor_hints",
 ]

@@ -1,5 +1,6 @@
-"""``pcie-a2a topo``: the topology, the per-pair plan, the staging placement, the send
-schedule and the predicted Kimi K2 decode all-to-all time."""
+"""``pcie-a2a topo``: the topology, the per-pair plan (path, direction, engine, each with its
+reason), the staging placement, the send schedule and the predicted Kimi K2 decode
+all-to-all time."""
 
 from __future__ import annotations
 
@@ -7,11 +8,14 @@ import argparse
 import json
 import sys
 
+from .. import env
 from .errors import TopologyError
 from .live import discover
 from .planner import PlanOptions, expected_distinct_ranks, kimi_k2_decode, plan
-from .probe import ProbeUnavailable, load_probe, measure
+from .predict import PAYLOADS, format_predictions, predict
+from .probe import ProbeGateError, ProbeUnavailable, load_probe
 from .render import format_plan, format_tree
+from .roots import with_vendor_hints
 from .sources import current_with_probe, load_with_probe
 
 
@@ -36,7 +40,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument(
         "--probe-file",
         metavar="FILE",
-        help="measured numbers: pcie_a2a probe JSON or p2pBandwidthLatencyTest output",
+        help="measured numbers: pcie-a2a probe JSON or p2pBandwidthLatencyTest output "
+        "(default: PCIE_A2A_PROBE_FILE, else the file's own, else this machine's cached probe)",
     )
     p.add_argument(
         "--link-gen",
@@ -46,11 +51,32 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="PCIe generation to assume where the source does not say (default 4)",
     )
     p.add_argument(
+        "--cpu-vendor",
+        choices=("amd", "intel"),
+        help="the CPU (root complex) vendor where the source does not say (topo -m does not)",
+    )
+    p.add_argument(
+        "--switch-vendor",
+        choices=("broadcom", "plx", "microchip"),
+        help="the PCIe switch vendor where the source does not say",
+    )
+    p.add_argument(
         "--tokens",
         type=int,
         default=128,
         metavar="N",
         help="decode tokens per rank for the Kimi K2 prediction (default 128)",
+    )
+    p.add_argument(
+        "--payload",
+        choices=PAYLOADS,
+        default="fp8",
+        help="dispatch payload of the Kimi K2 step in the plan (default fp8)",
+    )
+    p.add_argument(
+        "--predict",
+        action="store_true",
+        help="print only the predicted Kimi K2 decode dispatch+combine time (fp8 and bf16)",
     )
     p.add_argument("--save", metavar="FILE", help="also write the plan as JSON to FILE")
     p.add_argument("--sysfs", default="/sys", help=argparse.SUPPRESS)
@@ -65,27 +91,40 @@ def _fail(msg: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        probe = None
-        if args.probe:
-            try:
-                probe = measure()
-            except ProbeUnavailable as exc:
-                return _fail(f"{exc}; no numbers were measured (use --probe-file for saved ones)")
-        elif args.probe_file:
-            probe = load_probe(args.probe_file)
         if args.source:
             topo, measured = load_with_probe(args.source)
         elif args.sysfs == "/sys":
             topo, measured = current_with_probe(args.sysfs)
         else:
             topo, measured = discover(args.sysfs), None
+        probe = None
+        if args.probe:
+            from .probe_run import measure
+
+            try:
+                probe = measure(topo)
+            except (ProbeUnavailable, ProbeGateError) as exc:
+                return _fail(f"{exc}; no numbers were measured (use --probe-file for saved ones)")
+        elif args.probe_file:
+            probe = load_probe(args.probe_file)
+        elif args.source and env.probe_file():
+            probe = load_probe(env.probe_file())  # type: ignore[arg-type]
         # A p2pBandwidthLatencyTest file carries its own measurements; numbers asked for on
         # the command line (--probe, --probe-file) take precedence.
         probe = probe or measured
+        topo = with_vendor_hints(topo, args.cpu_vendor, args.switch_vendor)
         options = PlanOptions.from_env(probe=probe, default_link_gen=args.link_gen)
         n = topo.num_gpus
-        traffic = kimi_k2_decode(n, args.tokens) if n >= 2 and 384 % n == 0 else ()
+        kimi = n >= 2 and 384 % n == 0
+        traffic = kimi_k2_decode(n, args.tokens, args.payload) if kimi else ()
         result = plan(topo, traffic, options)
+        if args.predict:
+            if not kimi:
+                return _fail(
+                    f"no Kimi K2 prediction for {n} GPUs: its 384 experts must split evenly"
+                )
+            print(format_predictions([predict(topo, options, args.tokens, base=result)]))
+            return 0
     except (TopologyError, ValueError, OSError) as exc:
         return _fail(str(exc))
     if args.save:

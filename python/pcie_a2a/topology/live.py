@@ -170,6 +170,7 @@ def discover(
                 numa_node=rp_node if rp_node is not None and rp_node >= 0 else None,
                 link_gen=gen,
                 link_width=width,
+                vendor=_read(paths[0] / "vendor") if chain else None,
             )
         parent = rp_id
         below = list(range(1, len(chain)))
@@ -357,3 +358,39 @@ def nvml_info(bus_ids: list[str]) -> tuple[list[str | None], list[list[P2PStatus
     finally:
         with contextlib.suppress(Exception):
             lib.nvmlShutdown()
+
+
+def nvml_identity(bus_ids: list[str]) -> tuple[list[str | None], str | None] | None:
+    """(UUID of each GPU, driver version) from NVML, or None when NVML is unavailable."""
+    try:
+        lib = ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return None
+    try:
+        if lib.nvmlInit_v2() != 0:
+            return None
+    except AttributeError:
+        return None
+    try:
+        buf = ctypes.create_string_buffer(96)
+        driver = buf.value.decode() if lib.nvmlSystemGetDriverVersion(buf, 96) == 0 else None
+        uuids: list[str | None] = []
+        for b in bus_ids:
+            h = ctypes.c_void_p()
+            if lib.nvmlDeviceGetHandleByPciBusId_v2(b.encode(), ctypes.byref(h)) != 0:
+                uuids.append(None)
+                continue
+            u = ctypes.create_string_buffer(96)
+            uuids.append(u.value.decode() if lib.nvmlDeviceGetUUID(h, u, 96) == 0 else None)
+        return uuids, driver
+    finally:
+        with contextlib.suppress(Exception):
+            lib.nvmlShutdown()
+
+
+def driver_version(proc_root: str | os.PathLike = "/proc") -> str | None:
+    """The NVIDIA kernel module's version from ``driver/nvidia/version`` ("NVRM version:
+    NVIDIA UNIX x86_64 Kernel Module  580.65.06  ..."), None without the driver."""
+    text = _read(Path(proc_root) / "driver/nvidia/version")
+    m = re.search(r"Kernel Module(?: for \S+)?\s+(\d+(?:\.\d+)+)", text or "")
+    return m.group(1) if m else None

@@ -96,6 +96,9 @@ class RootPort:
     numa_node: int | None = None
     link_gen: int | None = None
     link_width: int | None = None
+    vendor: str | None = (
+        None  # PCI vendor id of the root port: the CPU's (0x1022 AMD, 0x8086 Intel)
+    )
 
 
 @dataclass(frozen=True)
@@ -321,7 +324,9 @@ def infer_numa(classes: list[list[str]]) -> list[int]:
     """NUMA node per GPU when the source has no affinity column: GPUs joined by anything
     closer than SYS share a node; nodes are numbered in order of their lowest GPU."""
     n = len(classes)
-    comps = _components(list(range(n)), lambda a, b: classes[a][b] not in ("SYS", "X"))
+    comps = _components(
+        list(range(n)), lambda a, b: classes[a][b] not in ("SYS", "X", UNKNOWN_CLASS)
+    )
     node = [0] * n
     for k, comp in enumerate(comps):
         for g in comp:
@@ -345,7 +350,7 @@ def infer_tree(
     def within(limit: str):
         return lambda a, b: (
             not is_nvlink(classes[a][b])
-            and classes[a][b] != "X"
+            and classes[a][b] not in ("X", UNKNOWN_CLASS)
             and class_rank(classes[a][b]) <= class_rank(limit)
         )
 

@@ -16,8 +16,8 @@ import re
 from dataclasses import dataclass, field
 
 from .errors import parse_error
-from .model import Gpu as GpuModel
 from .model import (
+    UNKNOWN_CLASS,
     Nic,
     NumaNode,
     P2PStatus,
@@ -28,6 +28,7 @@ from .model import (
     infer_tree,
     is_nvlink,
 )
+from .model import Gpu as GpuModel
 from .text import body_lines
 
 _DEVICE = re.compile(r"^(GPU|NIC)(\d+)$")
@@ -57,30 +58,72 @@ class _Matrix:
     lines: dict[str, int] = field(default_factory=dict)
 
 
-def _split(line: str, mode: str) -> list[str]:
-    if mode == "md":
-        return [c.strip() for c in line.split("|")]
-    if mode == "tab":
-        return [c.strip() for c in line.split("\t")]
-    return [c for c in re.split(r"\s{2,}", line.strip()) if c]
+# Multi-word column names of topo -m's tail, kept whole when blanks are collapsed.
+_TAIL_NAMES = re.compile(r"CPU\s+Affinity|NUMA\s+Affinity|GPU\s+NUMA\s+ID|\S+")
+MISSING = ("", "N/A", "n/a", "NA", "-")  # a cell that says nothing (cut off, N/A, blank)
+
+
+def _pipe_cells(line: str) -> list[str]:
+    """Cells of a line with table pipes; the empty cells before a leading and after a
+    trailing pipe are not cells."""
+    cells = [c.strip() for c in line.split("|")]
+    if cells and cells[0] == "":
+        cells = cells[1:]
+    if cells and cells[-1] == "":
+        cells = cells[:-1]
+    return cells
 
 
 def _is_header(line: str) -> bool:
     if "GPU0" not in line:
         return False
-    first = line.strip().split()[0].strip("|")
-    return first in ("", "GPU0") and not re.match(r"^\s*GPU0\s*[|\t ]\s*X\b", line)
+    first = line.replace("|", " ").split()[0]
+    return first == "GPU0" and not re.match(r"^[\s|]*GPU0[\s|]+X\b", line)
+
+
+def _header_tokens(cell: str) -> list[str]:
+    if "\t" in cell:
+        return [c.strip() for c in cell.split("\t")]
+    return [re.sub(r"\s+", " ", m.group()) for m in _TAIL_NAMES.finditer(cell)]
 
 
 def _header(line: str) -> tuple[str, list[str], list[str]]:
-    mode = "md" if "|" in line else "tab" if "\t" in line else "space"
-    cells = _split(line, mode)
-    if mode != "space" and cells and cells[0] == "":
-        cells = cells[1:]
-    cells = [c for c in cells if c != ""] if mode != "space" else cells
+    """(mode, device columns, tail columns). The mode says how the rows are laid out: ``md``
+    (pipes), ``tab`` (nvidia-smi's own output) or ``space`` (aligned, or collapsed blanks,
+    as pasted into chats)."""
+    if "|" in line:
+        # A piped cell may hold several columns (pipes around a tab or blank aligned line)
+        mode, cells = "md", [t for c in _pipe_cells(line) for t in _header_tokens(c) if t]
+    elif "\t" in line:
+        mode, cells = "tab", [c.strip() for c in line.split("\t") if c.strip()]
+    else:
+        mode = "space"
+        cells = [re.sub(r"\s+", " ", m.group()) for m in _TAIL_NAMES.finditer(line)]
     devices = [c for c in cells if _DEVICE.match(c)]
     tail = [c for c in cells if not _DEVICE.match(c)]
     return mode, devices, tail
+
+
+def _row(line: str, mode: str, ndev: int) -> tuple[str, list[str], list[str], bool]:
+    """(label, class cells, the cells after them, whether those are positional). A row is
+    read by its own layout (pasted tables mix piped and plain lines); a row cut off short
+    gives fewer class cells."""
+    if "|" in line:
+        cells = _pipe_cells(line)
+        blanks = any(re.search(r"\s", c.strip()) for c in cells)
+        if cells and not (blanks and len(cells) < 1 + ndev):
+            return cells[0], cells[1 : 1 + ndev], cells[1 + ndev :], True
+        # Pipes around (or inside) a tab or blank aligned row: read it without them.
+        line = line.replace("|", " ")
+    if mode == "tab" and "\t" in line:
+        cells = [c.strip() for c in line.split("\t")]
+        if cells and cells[0] == "":
+            cells = cells[1:]
+        if cells and cells[-1] == "" and len(cells) > 1 + ndev:
+            cells = cells[:-1]
+        return (cells[0] if cells else ""), cells[1 : 1 + ndev], cells[1 + ndev :], True
+    tokens = line.replace("|", " ").split()
+    return (tokens[0] if tokens else ""), tokens[1 : 1 + ndev], tokens[1 + ndev :], False
 
 
 def _parse_matrices(text: str, source: str) -> tuple[list[_Matrix], dict[int, str]]:
@@ -101,37 +144,18 @@ def _parse_matrices(text: str, source: str) -> tuple[list[_Matrix], dict[int, st
         i += 1
         while i < len(lines):
             lineno, line = lines[i]
-            if mode == "md" and re.fullmatch(r"[\s\-|:]+", line):
-                i += 1
+            if "|" in line and re.fullmatch(r"[\s\-|:]+", line):
+                i += 1  # markdown separator row
                 continue
-            cells = _split(line, mode)
-            if mode == "tab" and cells and cells[0] == "":
-                cells = cells[1:]
-            if mode == "md" and cells and cells[0] == "":
-                cells = cells[1:]
-            if not cells or not _DEVICE.match(cells[0]):
+            label, values, rest, positional = _row(line, mode, len(devices))
+            if not _DEVICE.match(label):
                 break
-            label = cells[0]
-            if mode == "space":
-                tokens = list(re.finditer(r"\S+", line))
-                values = [t.group() for t in tokens[1 : 1 + len(devices)]]
-                rest = [t.group() for t in tokens[1 + len(devices) :]]
-            else:
-                values = cells[1 : 1 + len(devices)]
-                rest = cells[1 + len(devices) :]
-            if len(values) != len(devices) and label.startswith("GPU"):
-                raise parse_error(
-                    source,
-                    lineno,
-                    f"row {label} has {len(values)} cells, expected {len(devices)} "
-                    f"(one per column {' '.join(devices)})",
-                )
             if label in mat.rows:
                 raise parse_error(source, lineno, f"row {label} appears twice")
             mat.rows[label] = [v.strip() for v in values]
             mat.lines[label] = lineno
             row_tail: dict[str, str] = {}
-            if tail and mode == "space":
+            if tail and not positional:
                 # Space-aligned dumps are often tab-expanded copies, so an empty CPU Affinity
                 # cell (cgroup-restricted job) leaves no trace but blank space: when a cell is
                 # missing and the first one is not a CPU list, it is the CPU Affinity.
@@ -151,12 +175,26 @@ def _parse_matrices(text: str, source: str) -> tuple[list[_Matrix], dict[int, st
                     row_tail["NUMA Affinity"] = m2.group(1)
             mat.tail[label] = row_tail
             i += 1
-        gpu_cells = [v for r, vs in mat.rows.items() if r.startswith("GPU") for v in vs]
+        gpu_cells = [
+            v for r, vs in mat.rows.items() if r.startswith("GPU") for v in vs if v not in MISSING
+        ]
         mat.kind = (
             "p2p" if gpu_cells and all(v in P2P_LETTERS or v == "X" for v in gpu_cells) else "class"
         )
         matrices.append(mat)
     return matrices, nic_names
+
+
+def _cell(mat: _Matrix, row: str, col: str) -> str | None:
+    """The cell at (row, col), else its mirror (col, row) when that row has it (classes and
+    P2P status are symmetric in topo output), else None."""
+    for r, c in ((row, col), (col, row)):
+        vals = mat.rows.get(r)
+        if vals is not None and c in mat.columns:
+            k = mat.columns.index(c)
+            if k < len(vals) and vals[k] not in MISSING:
+                return vals[k]
+    return None
 
 
 def _class_cell(value: str, source: str, line: int, row: str, col: str) -> str:
@@ -211,12 +249,49 @@ def _p2p_rows(mat: _Matrix, source: str) -> list[list[P2PStatus]]:
     labels = _gpu_labels(mat, source)
     n = len(labels)
     out = []
-    for i, label in enumerate(labels):
+    for i in range(n):
         row = []
         for j in range(n):
-            v = mat.rows[label][mat.columns.index(f"GPU{j}")]
-            row.append(P2PStatus.UNKNOWN if i == j else P2P_LETTERS[v])
+            v = _cell(mat, f"GPU{i}", f"GPU{j}")
+            row.append(P2PStatus.UNKNOWN if i == j or v is None else P2P_LETTERS[v])
         out.append(row)
+    return out
+
+
+def _cut_rows_note(mat: _Matrix, labels: list[str], notes: list[str]) -> None:
+    ncols = len(mat.columns)
+    cut = [lab for lab in labels if len(mat.rows[lab]) < ncols]
+    if cut:
+        shown = ", ".join(f"{lab} ({len(mat.rows[lab])} of {ncols})" for lab in cut[:4])
+        more = f" and {len(cut) - 4} more" if len(cut) > 4 else ""
+        notes.append(
+            f"rows cut off: {shown}{more} cells; the rest taken from the other rows "
+            "(topo classes are symmetric)"
+        )
+
+
+def _classes(mat: _Matrix, labels: list[str], source: str, notes: list[str]) -> list[list[str]]:
+    """The class matrix; a cell missing on both sides (cut off, N/A) is ? (unknown)."""
+    n = len(labels)
+    out = [["X"] * n for _ in range(n)]
+    unknown = []
+    for i in range(n):
+        for j in range(n):
+            v = _cell(mat, f"GPU{i}", f"GPU{j}")
+            if v is None:
+                if i != j:
+                    unknown.append(f"GPU{i}/GPU{j}")
+                    out[i][j] = UNKNOWN_CLASS
+                continue
+            out[i][j] = _class_cell(v, source, mat.lines[labels[i]], labels[i], f"GPU{j}")
+        if out[i][i] != "X":
+            raise parse_error(source, mat.lines[labels[i]], f"GPU{i}/GPU{i}: expected X")
+    if unknown:
+        more = f" and {len(unknown) - 6} more" if len(unknown) > 6 else ""
+        notes.append(
+            f"no class for {', '.join(unknown[:6])}{more} (cut off or N/A on both sides): "
+            "path class ? (unknown)"
+        )
     return out
 
 
@@ -243,18 +318,8 @@ def parse_topo(text: str, source: str = "<text>") -> Topology:
         notes.append(
             f"rows for {', '.join(missing)} are missing in the source; kept GPU0..GPU{n - 1}"
         )
-    classes = [
-        [
-            _class_cell(
-                mat.rows[lab][mat.columns.index(f"GPU{j}")], source, mat.lines[lab], lab, f"GPU{j}"
-            )
-            for j in range(n)
-        ]
-        for lab in labels
-    ]
-    for i in range(n):
-        if classes[i][i] != "X":
-            raise parse_error(source, mat.lines[labels[i]], f"GPU{i}/GPU{i}: expected X")
+    _cut_rows_note(mat, labels, notes)
+    classes = _classes(mat, labels, source, notes)
 
     numa: list[int | None] = []
     cpus: list[str | None] = []
@@ -267,20 +332,21 @@ def parse_topo(text: str, source: str = "<text>") -> Topology:
     nic_cols = [c for c in mat.columns if c.startswith("NIC")]
     nic_classes = tuple(
         tuple(
-            _class_cell(
-                mat.rows[labels[g]][mat.columns.index(c)],
-                source,
-                mat.lines[labels[g]],
-                labels[g],
-                c,
-            )
+            UNKNOWN_CLASS
+            if (v := _cell(mat, labels[g], c)) is None
+            else _class_cell(v, source, mat.lines[labels[g]], labels[g], c)
             for g in range(n)
         )
         for c in nic_cols
     )
     nics = []
     for k, c in enumerate(nic_cols):
-        near = [g for g in range(n) if class_rank(nic_classes[k][g]) <= class_rank("NODE")]
+        near = [
+            g
+            for g in range(n)
+            if nic_classes[k][g] != UNKNOWN_CLASS
+            and class_rank(nic_classes[k][g]) <= class_rank("NODE")
+        ]
         nics.append(
             Nic(
                 index=int(c[3:]),
@@ -324,7 +390,9 @@ def parse_topo(text: str, source: str = "<text>") -> Topology:
         f"GPU{i}-GPU{j} {classes[i][j]} (tree: {topo.tree_class(i, j)})"
         for i in range(n)
         for j in range(i + 1, n)
-        if not is_nvlink(classes[i][j]) and classes[i][j] != topo.tree_class(i, j)
+        if not is_nvlink(classes[i][j])
+        and classes[i][j] != UNKNOWN_CLASS
+        and classes[i][j] != topo.tree_class(i, j)
     ]
     if odd:
         more = f" and {len(odd) - 3} more" if len(odd) > 3 else ""

@@ -1,11 +1,12 @@
 """The transfer planner: per ordered GPU pair, direct P2P or host-staged and why; where the
 staging memory lives; what to expect; and the send schedule of an all-to-all.
 
-Rules (NCCL's are the baseline; research/topology_numa.md section 1.6):
+Path rules (NCCL's are the baseline; research/topology_numa.md section 1.6):
 
 1. The driver has the last word: P2P reported unsupported or disabled (nvidia-smi
    CNS/TNS/NS, GNS, DR; cudaDeviceCanAccessPeer = 0) is never used, whatever the overrides.
-2. ``PCIE_A2A_P2P=0|1`` forces every other pair off or on.
+2. A ``PCIE_A2A_PAIRS`` entry (``0-4:staged``) decides its pairs; ``PCIE_A2A_P2P=0|1``
+   forces every other pair off or on.
 3. NVLink pairs use P2P.
 4. ``PCIE_A2A_P2P_LEVEL=<class>`` allows P2P up to that path class (NCCL_P2P_LEVEL's meaning).
 5. A measured probe decides where it has both numbers (or a P2P number and the table's
@@ -19,6 +20,11 @@ Rules (NCCL's are the baseline; research/topology_numa.md section 1.6):
 
 Staging memory always sits on the receiver's NUMA node (NCCL_SHM_LOCALITY=2): the far leg is
 then a posted write, and the receiving GPU's read stays on its own root complex.
+
+Then per pair the direction (push or pull) and the engine (SM or copy engine):
+:mod:`.directions`. The schedule (:func:`_schedule`) first keeps every shared switch's
+pushing flows on one destination root complex per round (the posted-write collapse
+trigger, :mod:`.roots`), then spreads the load on shared links.
 
 :func:`plan` is pure: the environment is read only by :meth:`PlanOptions.from_env`.
 """
@@ -36,14 +42,28 @@ import numpy as np
 
 from .. import env
 from . import estimates as est
+from . import roots
+from .directions import (
+    COPY_ENGINE,
+    PULL,
+    PUSH,
+    SM,
+    PairOverride,
+    collapse_factor,
+    decide_direction,
+    decide_engine,
+    override_for,
+)
 from .errors import TopologyError
 from .model import UNKNOWN_CLASS, P2PStatus, RootPort, Topology, class_rank, is_nvlink
 from .probe import PairMeasurement, Probe
 
 FORMAT = "pcie_a2a.plan"
-VERSION = 1
+VERSION = 2
+READABLE_VERSIONS = (1, 2)
 P2P = "p2p"
 STAGED = "staged"
+SPREAD = "spread"  # PlanOptions.schedule: ignore the collapse trigger
 
 
 @dataclass(frozen=True)
@@ -52,6 +72,10 @@ class PlanOptions:
     p2p_level: str | None = None  # farthest class allowed for P2P (NV, PIX, PXB, PHB, NODE, SYS)
     default_link_gen: int = 4  # PCIe generation assumed where the source does not say
     probe: Probe | None = None
+    direction: str | None = None  # force push or pull for every P2P pair (None: decide)
+    engine: str | None = None  # force sm or copy_engine for every pair (None: decide)
+    schedule: str | None = None  # None: avoid the collapse trigger first; "spread": do not
+    pair_overrides: tuple[PairOverride, ...] = ()  # PCIE_A2A_PAIRS entries, later win
 
     def __post_init__(self) -> None:
         if self.p2p_level is not None:
@@ -61,12 +85,28 @@ class PlanOptions:
             object.__setattr__(self, "p2p_level", level)
         if self.default_link_gen not in (1, 2, 3, 4, 5, 6):
             raise ValueError(f"default_link_gen={self.default_link_gen}: expected 1..6")
+        for name, allowed in (
+            ("direction", (PUSH, PULL)),
+            ("engine", (SM, COPY_ENGINE)),
+            ("schedule", (SPREAD,)),
+        ):
+            v = getattr(self, name)
+            if v is not None and v not in allowed:
+                raise ValueError(f"{name}={v!r}: expected None or one of {', '.join(allowed)}")
 
     @staticmethod
     def from_env(probe: Probe | None = None, default_link_gen: int = 4) -> PlanOptions:
-        """Options with PCIE_A2A_P2P and PCIE_A2A_P2P_LEVEL applied."""
+        """Options with PCIE_A2A_P2P, PCIE_A2A_P2P_LEVEL, PCIE_A2A_DIRECTION,
+        PCIE_A2A_ENGINE, PCIE_A2A_SCHEDULE and PCIE_A2A_PAIRS applied."""
         return PlanOptions(
-            p2p=env.p2p(), p2p_level=env.p2p_level(), default_link_gen=default_link_gen, probe=probe
+            p2p=env.p2p(),
+            p2p_level=env.p2p_level(),
+            default_link_gen=default_link_gen,
+            probe=probe,
+            direction=env.direction(),
+            engine=env.engine(),
+            schedule=env.schedule(),
+            pair_overrides=tuple(PairOverride(**o) for o in env.pair_overrides()),  # type: ignore[arg-type]
         )
 
 
@@ -93,13 +133,22 @@ def expected_distinct_ranks(ranks: int, experts: int, topk: int) -> float:
     return ranks * (1 - miss)
 
 
-def kimi_k2_decode(ranks: int, tokens_per_rank: int = 128) -> tuple[Traffic, Traffic]:
+KIMI_HIDDEN = 7168
+DISPATCH_ROW_BYTES = {"fp8": KIMI_HIDDEN + 4 * (KIMI_HIDDEN // 128), "bf16": 2 * KIMI_HIDDEN}
+
+
+def kimi_k2_decode(
+    ranks: int, tokens_per_rank: int = 128, payload: str = "fp8"
+) -> tuple[Traffic, Traffic]:
     """Dispatch and combine of one Kimi K2 decode step with uniform routing: hidden 7168,
-    384 experts, top-8; dispatch rows fp8 + one fp32 scale per 128 channels (7168 + 224 B),
-    combine rows bf16 (14336 B). Each token goes once to each rank holding one of its
-    experts, so a given other rank receives it with probability E[distinct ranks] / R."""
+    384 experts, top-8; dispatch rows fp8 + one fp32 scale per 128 channels (7168 + 224 B)
+    or bf16 (14336 B) (`payload`), combine rows bf16 (14336 B). Each token goes once to
+    each rank holding one of its experts, so a given other rank receives it with
+    probability E[distinct ranks] / R."""
     if ranks < 1 or 384 % ranks:
         raise ValueError(f"ranks={ranks}: Kimi K2's 384 experts must split evenly over the ranks")
+    if payload not in DISPATCH_ROW_BYTES:
+        raise ValueError(f"payload={payload!r}: expected one of {', '.join(DISPATCH_ROW_BYTES)}")
     p_hit = expected_distinct_ranks(ranks, 384, 8) / ranks
     rows = tokens_per_rank * p_hit
 
@@ -109,8 +158,13 @@ def kimi_k2_decode(ranks: int, tokens_per_rank: int = 128) -> tuple[Traffic, Tra
         )
 
     return (
-        Traffic(f"Kimi K2 decode dispatch ({tokens_per_rank} tok/rank, fp8)", matrix(7168 + 224)),
-        Traffic(f"Kimi K2 decode combine ({tokens_per_rank} tok/rank, bf16)", matrix(14336)),
+        Traffic(
+            f"Kimi K2 decode dispatch ({tokens_per_rank} tok/rank, {payload})",
+            matrix(DISPATCH_ROW_BYTES[payload]),
+        ),
+        Traffic(
+            f"Kimi K2 decode combine ({tokens_per_rank} tok/rank, bf16)", matrix(2 * KIMI_HIDDEN)
+        ),
     )
 
 
@@ -127,6 +181,13 @@ class PairPlan:
     latency_us: float
     estimate: str  # where gbps/latency come from
     links: tuple[str, ...]  # link ids the transfer crosses
+    direction: str = PUSH  # "push" (sender stores) or "pull" (receiver loads)
+    direction_reason: str = ""
+    engine: str = SM  # "sm" (kernel loads/stores) or "copy_engine"
+    engine_reason: str = ""
+    phase: int = -1  # the round (0-based) in which src sends to dst
+    trigger_switch: str | None = None  # shared switch whose collapse trigger a push can hit
+    trigger_root: str | None = None  # the destination root complex of that flow
 
 
 @dataclass(frozen=True)
@@ -159,6 +220,12 @@ class Plan:
     max_shared_load: int
     reports: tuple[TrafficReport, ...] = ()
     notes: tuple[str, ...] = field(default=())
+    # Rounds must not overlap: some pushing flow leaves a switch whose GPUs could write into
+    # two or more root complexes at once if senders drifted into the next round.
+    phased: bool = False
+    collapse_violations: int = 0  # (switch, round) cases pushing into 2+ root complexes
+    schedule_reason: str = ""
+    collapse_factors: tuple[tuple[str, float, str], ...] = ()  # (switch, factor, basis)
 
     def pair(self, src: int, dst: int) -> PairPlan:
         n = self.num_gpus
@@ -179,8 +246,8 @@ class Plan:
     def from_json(text: str, source: str = "<plan>") -> Plan:
         try:
             d = json.loads(text)
-            if d.pop("format") != FORMAT or d.pop("version") != VERSION:
-                raise ValueError(f"expected format {FORMAT!r} version {VERSION}")
+            if d.pop("format") != FORMAT or d.pop("version") not in READABLE_VERSIONS:
+                raise ValueError(f"expected format {FORMAT!r} version 1 or 2")
             return Plan(
                 source=d["source"],
                 num_gpus=d["num_gpus"],
@@ -193,6 +260,10 @@ class Plan:
                     TrafficReport(**{**r, "round_us": tuple(r["round_us"])}) for r in d["reports"]
                 ),
                 notes=tuple(d["notes"]),
+                phased=d.get("phased", False),
+                collapse_violations=d.get("collapse_violations", 0),
+                schedule_reason=d.get("schedule_reason", ""),
+                collapse_factors=tuple(tuple(c) for c in d.get("collapse_factors", ())),  # type: ignore[misc]
             )
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
             raise TopologyError(f"{source}: not a {FORMAT} document: {exc}") from None
@@ -282,11 +353,18 @@ class _Fabric:
 def _decide(topo: Topology, a: int, b: int, opt: PlanOptions, gen: int) -> tuple[str, str]:
     cls, st = topo.classes[a][b], topo.p2p[a][b]
     m = opt.probe.get(a, b) if opt.probe else None
+    forced = override_for(opt.pair_overrides, a, b, "path")
     if st in (P2PStatus.UNSUPPORTED, P2PStatus.DISABLED):
         why = f"driver reports P2P {st.value}"
-        return STAGED, why + ("; PCIE_A2A_P2P=1 cannot override the driver" if opt.p2p else "")
+        if opt.p2p:
+            why += "; PCIE_A2A_P2P=1 cannot override the driver"
+        elif forced == P2P:
+            why += "; PCIE_A2A_PAIRS cannot override the driver"
+        return STAGED, why
     if m is not None and m.p2p_possible is False:
         return STAGED, "probe: cudaDeviceCanAccessPeer is 0"
+    if forced is not None:
+        return forced, f"PCIE_A2A_PAIRS sets {forced}"
     if opt.p2p is False:
         return STAGED, "P2P forced off (PCIE_A2A_P2P=0)"
     if opt.p2p is True:
@@ -344,8 +422,17 @@ def _decide_unknown_path(
 
 
 def _estimate(
-    topo: Topology, a: int, b: int, transport: str, opt: PlanOptions, gen: int
+    topo: Topology,
+    a: int,
+    b: int,
+    transport: str,
+    direction: str,
+    engine: str,
+    opt: PlanOptions,
+    gen: int,
 ) -> tuple[float, float, str]:
+    """(GB/s, µs, where from) for pair a -> b moved as decided. A pull's latency is the
+    sender's ready flag (a store) plus one read round trip before the rows arrive."""
     m = opt.probe.get(a, b) if opt.probe else None
     cls = topo.classes[a][b]
     if transport == P2P:
@@ -356,11 +443,28 @@ def _estimate(
         else:
             gbps, us = est.p2p_estimate(gen, cls)
             src = f"table Gen{gen} {cls} P2P"
-        if m is not None and m.p2p_gbps is not None:
-            gbps, src = m.p2p_gbps, "probe"
-        if m is not None and m.p2p_us is not None:
-            us = m.p2p_us
-        return gbps, us, src
+        read_us = us
+        if m is not None:
+            rates = {
+                (PUSH, SM): (m.store_gbps, "kernel stores"),
+                (PUSH, COPY_ENGINE): (m.ce_gbps, "copy engine"),
+                (PULL, SM): (m.load_gbps, "kernel loads"),
+                (PULL, COPY_ENGINE): (
+                    m.ce_read_gbps if m.ce_read_gbps is not None else m.ce_gbps,
+                    "copy engine read",
+                ),
+            }
+            rate, what = rates[(direction, engine)]
+            if rate is not None:
+                gbps, src = rate, f"probe ({what})"
+            elif m.p2p_gbps is not None:
+                gbps, src = m.p2p_gbps, "probe"
+            flag = m.store_us if m.store_us is not None else m.p2p_us
+            if flag is not None:
+                us = flag
+            if m.load_us is not None:
+                read_us = m.load_us
+        return gbps, (us + read_us if direction == PULL else us), src
     gbps, us = est.staged_estimate(gen)
     src = f"table Gen{gen} staged"
     if m is not None and m.staged_gbps is not None:
@@ -387,41 +491,62 @@ def _candidates(n: int) -> tuple[np.ndarray, int]:
     return perms, len(perms)
 
 
-def _schedule(n: int, pair_links: dict[tuple[int, int], tuple[str, ...]], shared: list[str]):
+def _schedule(
+    n: int,
+    pair_links: dict[tuple[int, int], tuple[str, ...]],
+    shared: list[str],
+    triggers: dict[tuple[int, int], tuple[str, str]],
+    avoid_trigger: bool = True,
+):
     """Rounds in which every rank sends to one peer and receives from one, covering every
-    ordered pair once, chosen to minimise (largest number of flows on one shared link in any
-    round, sum over rounds of each round's largest, sum of squares). Candidates are the
-    shift schedule (i -> i + r) and, for powers of two, the XOR schedule (i -> i ^ r), under
-    every relabeling of the GPUs."""
+    ordered pair once. `triggers` maps each pushing flow that leaves a trigger-capable
+    switch to (switch, destination root complex). Chosen to minimise, in order: the
+    (switch, round) cases in which a switch pushes into two or more root complexes (the
+    collapse trigger; skipped with ``avoid_trigger=False``), the largest number of flows on
+    one shared link in any round, the sum over rounds of each round's largest, the sum of
+    squares. Candidates are the shift schedule (i -> i + r) and, for powers of two, the
+    XOR schedule (i -> i ^ r), under every relabeling of the GPUs. Returns (rounds, the
+    busiest shared links per round, violations)."""
     if n < 2:
-        return (), ()
+        return (), (), 0
     idx = {lid: k for k, lid in enumerate(shared)}
     inc = np.zeros((n, n, max(len(shared), 1)), dtype=np.int64)
     for (a, b), links in pair_links.items():
         for lid in links:
             if lid in idx:
                 inc[a, b, idx[lid]] += 1
+    switches = sorted({sw for sw, _ in triggers.values()})
+    rcs = sorted({rc for _, rc in triggers.values()})
+    trig = np.zeros((n, n, max(len(switches), 1), max(len(rcs), 1)), dtype=np.int64)
+    for (a, b), (sw, rc) in triggers.items():
+        trig[a, b, switches.index(sw), rcs.index(rc)] = 1
     perms, count = _candidates(n)
     inv = np.argsort(perms, axis=1)
     families = [lambda pos, r: (pos + r) % n]
     if n & (n - 1) == 0:
         families.append(lambda pos, r: pos ^ r)
     best = None
+    rows = np.arange(n)[None, :]
     for fam_id, step in enumerate(families):
         loads = np.zeros((count, n - 1, inc.shape[2]), dtype=np.int64)
+        viol = np.zeros((count,), dtype=np.int64)
         for r in range(1, n):
             dst = np.take_along_axis(inv, step(perms, r), axis=1)
-            loads[:, r - 1, :] = inc[np.arange(n)[None, :], dst].sum(axis=1)
+            loads[:, r - 1, :] = inc[rows, dst].sum(axis=1)
+            if triggers:
+                hit = trig[rows, dst].sum(axis=1) > 0  # [count, switch, rc]
+                viol += np.maximum(hit.sum(axis=2) - 1, 0).sum(axis=1)
         per_round = loads.max(axis=2)
         keys = (per_round.max(axis=1), per_round.sum(axis=1), (loads**2).sum(axis=(1, 2)))
-        k = int(np.lexsort((np.arange(count), keys[2], keys[1], keys[0]))[0])
-        cost = (int(keys[0][k]), int(keys[1][k]), int(keys[2][k]), fam_id)
+        first = viol if avoid_trigger else np.zeros_like(viol)
+        k = int(np.lexsort((np.arange(count), keys[2], keys[1], keys[0], first))[0])
+        cost = (int(first[k]), int(keys[0][k]), int(keys[1][k]), int(keys[2][k]), fam_id)
         if best is None or cost < best[0]:
             pi, pinv = perms[k], inv[k]
             rounds = tuple(tuple(int(pinv[step(pi[i], r)]) for i in range(n)) for r in range(1, n))
-            best = (cost, rounds, loads[k])
+            best = (cost, rounds, loads[k], int(viol[k]))
     assert best is not None
-    _, rounds, loads = best
+    _, rounds, loads, violations = best
     round_loads = tuple(
         tuple(
             sorted(
@@ -431,15 +556,48 @@ def _schedule(n: int, pair_links: dict[tuple[int, int], tuple[str, ...]], shared
         )
         for row in loads
     )
-    return rounds, round_loads
+    return rounds, round_loads, violations
+
+
+def _round_trigger_switches(
+    rnd: tuple[int, ...], triggers: dict[tuple[int, int], tuple[str, str]]
+) -> set[str]:
+    """Switches that push into two or more root complexes in this round."""
+    seen: dict[str, set[str]] = {}
+    for a, b in enumerate(rnd):
+        if (a, b) in triggers:
+            sw, rc = triggers[(a, b)]
+            seen.setdefault(sw, set()).add(rc)
+    return {sw for sw, rcs in seen.items() if len(rcs) >= 2}
 
 
 # ---- prediction -------------------------------------------------------------------------
 
 
+def _push_triggers(
+    pairs: dict[tuple[int, int], PairPlan],
+) -> dict[tuple[int, int], tuple[str, str]]:
+    return {
+        k: (p.trigger_switch, p.trigger_root)
+        for k, p in pairs.items()
+        if p.transport == P2P
+        and p.direction == PUSH
+        and p.trigger_switch is not None
+        and p.trigger_root is not None
+    }
+
+
 def _report(
-    traffic: Traffic, pairs: dict[tuple[int, int], PairPlan], links: dict[str, Link], rounds
+    traffic: Traffic,
+    pairs: dict[tuple[int, int], PairPlan],
+    links: dict[str, Link],
+    rounds,
+    collapse: dict[str, float],
 ) -> TrafficReport:
+    """Rounds one after another, each as slow as its slowest flow: a flow's latency plus its
+    bytes at the smaller of its pair's rate and each link's capacity shared among the
+    round's flows; a pushing flow from a switch that writes into two or more root complexes
+    in that round keeps only that switch's collapse factor of its rate."""
     link_bytes: dict[str, float] = {}
     for (a, b), p in pairs.items():
         for lid in p.links:
@@ -450,9 +608,11 @@ def _report(
         bott_us = bott_bytes / (links[bott].capacity_gbps * 1e3)
     else:
         bott, bott_bytes, bott_us = "", 0.0, 0.0
+    triggers = _push_triggers(pairs)
     times = []
     for rnd in rounds:
         flows = [(a, b) for a, b in enumerate(rnd) if traffic.bytes[a][b] > 0]
+        collapsing = _round_trigger_switches(rnd, triggers)
         count: dict[str, int] = {}
         for a, b in flows:
             for lid in pairs[(a, b)].links:
@@ -461,6 +621,8 @@ def _report(
         for a, b in flows:
             p = pairs[(a, b)]
             bw = min([p.gbps] + [links[lid].capacity_gbps / count[lid] for lid in p.links])
+            if (a, b) in triggers and triggers[(a, b)][0] in collapsing:
+                bw *= collapse.get(triggers[(a, b)][0], 1.0)
             t = max(t, p.latency_us + traffic.bytes[a][b] / (bw * 1e3))
         times.append(t)
     total = float(sum(sum(r) for r in traffic.bytes))
@@ -474,11 +636,15 @@ def plan(
     traffic: Traffic | Sequence[Traffic] | None = None,
     options: PlanOptions | None = None,
 ) -> Plan:
-    """Plan every ordered pair of `topology`, the send schedule, and (for each traffic
-    matrix given) the bottleneck link and predicted exchange time. Pure: same inputs, same
-    plan; the environment is not read (use PlanOptions.from_env())."""
+    """Plan every ordered pair of `topology` (path, direction, engine, each with its
+    reason), the send schedule, and (for each traffic matrix given) the bottleneck link and
+    predicted exchange time. Pure: same inputs, same plan; the environment is not read (use
+    PlanOptions.from_env()). A probe is matched to the topology's GPUs by bus id
+    (:meth:`Probe.aligned_to`)."""
     opt = options or PlanOptions()
     topo = topology
+    if opt.probe is not None:
+        opt = replace(opt, probe=opt.probe.aligned_to([g.bus_id for g in topo.gpus]))
     n = topo.num_gpus
     gens = [g.link_gen or opt.default_link_gen for g in topo.gpus]
     fabric = _Fabric(topo, opt.default_link_gen)
@@ -489,8 +655,15 @@ def plan(
                 continue
             gen = min(gens[a], gens[b])
             transport, reason = _decide(topo, a, b, opt, gen)
-            gbps, us, src = _estimate(topo, a, b, transport, opt, gen)
+            direction, why_dir = decide_direction(
+                topo, a, b, transport, opt.probe, opt.direction, opt.pair_overrides
+            )
+            engine, why_eng = decide_engine(
+                topo, a, b, transport, direction, opt.probe, opt.engine, opt.pair_overrides
+            )
+            gbps, us, src = _estimate(topo, a, b, transport, direction, engine, opt, gen)
             node = topo.gpus[b].numa_node if transport == STAGED else None
+            sw = roots.trigger_switch(topo, a, b) if transport == P2P else None
             pairs[(a, b)] = PairPlan(
                 a,
                 b,
@@ -503,10 +676,24 @@ def plan(
                 us,
                 src,
                 fabric.path(a, b, transport),
+                direction=direction,
+                direction_reason=why_dir,
+                engine=engine,
+                engine_reason=why_eng,
+                trigger_switch=sw,
+                trigger_root=roots.root_complex(topo, b) if sw is not None else None,
             )
     links = fabric.links
+    if opt.probe is not None:
+        links = _measured_links(links, opt.probe, pairs)
     shared = sorted(lid for lid, lk in links.items() if lk.shared)
-    rounds, round_loads = _schedule(n, {k: p.links for k, p in pairs.items()}, shared)
+    triggers = _push_triggers(pairs)
+    avoid = opt.schedule != SPREAD
+    rounds, round_loads, violations = _schedule(
+        n, {k: p.links for k, p in pairs.items()}, shared, triggers, avoid
+    )
+    phase = {(a, b): r for r, rnd in enumerate(rounds) for a, b in enumerate(rnd)}
+    pairs = {k: replace(p, phase=phase.get(k, -1)) for k, p in pairs.items()}
     max_load = max((load for r in round_loads for _, load in r), default=0)
     items = [traffic] if isinstance(traffic, Traffic) else list(traffic or [])
     for t in items:
@@ -521,6 +708,24 @@ def plan(
         notes.append(
             "some receivers have no known NUMA node: their staging memory is left to first touch"
         )
+    trigger_switches = sorted({sw for sw, _ in triggers.values()})
+    factors = tuple((sw, *collapse_factor(topo, sw, opt.probe)) for sw in trigger_switches)
+    if not triggers:
+        why = (
+            "no pushing flow can take part in the collapse trigger: rounds spread shared-link load"
+        )
+    elif not avoid:
+        why = "PCIE_A2A_SCHEDULE=spread: rounds spread shared-link load; collapse trigger ignored"
+    elif violations == 0:
+        why = (
+            f"switches {', '.join(trigger_switches)} push into one destination root complex "
+            "per round (collapse trigger avoided), then shared-link load spread"
+        )
+    else:
+        why = (
+            f"no candidate schedule keeps every switch on one destination root complex per "
+            f"round: {violations} (switch, round) cases remain"
+        )
     return Plan(
         source=topo.source,
         num_gpus=n,
@@ -529,13 +734,76 @@ def plan(
         rounds=rounds,
         round_loads=round_loads,
         max_shared_load=max_load,
-        reports=tuple(_report(t, pairs, links, rounds) for t in items),
+        reports=tuple(
+            _report(t, pairs, links, rounds, {sw: f for sw, f, _ in factors}) for t in items
+        ),
         notes=tuple(notes),
+        phased=bool(triggers) and avoid,
+        collapse_violations=violations,
+        schedule_reason=why,
+        collapse_factors=factors,
     )
+
+
+def _measured_links(
+    links: dict[str, Link], probe: Probe, pairs: dict[tuple[int, int], PairPlan]
+) -> dict[str, Link]:
+    """Links raised to what the probe showed they carry: a GPU's own link to its fastest
+    measured pair (the table's generation may be a guess), the socket links to the rate
+    the cross-socket pattern reached (per direction: both directions were equally
+    loaded)."""
+    out = dict(links)
+    for (a, b), p in pairs.items():
+        if not p.estimate.startswith("probe"):
+            continue
+        for lid in (f"GPU{a}^", f"GPU{b}v"):
+            if lid in out and out[lid].capacity_gbps < p.gbps:
+                out[lid] = replace(out[lid], capacity_gbps=p.gbps)
+    # A link carries at least what went through it; a pattern held back elsewhere (the
+    # collapse at a switch, kernel P2P through system memory) says nothing about the link,
+    # so the socket links only ever rise to the faster cross-socket pattern.
+    cross = [q.aggregate_gbps / 2 for q in probe.patterns if q.kind == "cross_socket"]
+    if cross:
+        for lid, lk in links.items():
+            if lid.startswith("socket") and max(cross) > lk.capacity_gbps:
+                out[lid] = replace(
+                    lk, capacity_gbps=round(max(cross), 2), label=lk.label + " (measured)"
+                )
+    return out
 
 
 def with_reports(p: Plan, traffic: Sequence[Traffic]) -> Plan:
     """A plan with the traffic reports recomputed for other traffic matrices."""
     pairs = {(q.src, q.dst): q for q in p.pairs}
     links = {lk.id: lk for lk in p.links}
-    return replace(p, reports=tuple(_report(t, pairs, links, p.rounds) for t in traffic))
+    collapse = {sw: f for sw, f, _ in p.collapse_factors}
+    return replace(p, reports=tuple(_report(t, pairs, links, p.rounds, collapse) for t in traffic))
+
+
+def decisions_dict(p: Plan) -> dict[str, Any]:
+    """The plan's decisions as plain data (for a probe record, ``Buffer.stats()`` and
+    tools): per pair path, direction, engine, phase and the reasons; the schedule."""
+    return {
+        "source": p.source,
+        "num_gpus": p.num_gpus,
+        "phased": p.phased,
+        "schedule_reason": p.schedule_reason,
+        "collapse_violations": p.collapse_violations,
+        "rounds": [list(r) for r in p.rounds],
+        "pairs": [
+            {
+                "src": q.src,
+                "dst": q.dst,
+                "path": q.transport,
+                "direction": q.direction,
+                "engine": q.engine,
+                "phase": q.phase,
+                "gbps": round(q.gbps, 3),
+                "latency_us": round(q.latency_us, 3),
+                "path_reason": q.reason,
+                "direction_reason": q.direction_reason,
+                "engine_reason": q.engine_reason,
+            }
+            for q in p.pairs
+        ],
+    }

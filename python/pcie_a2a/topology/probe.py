@@ -1,37 +1,52 @@
-"""Measured per-pair numbers that replace the planner's table.
+"""Measured per-pair numbers that replace the planner's table: the probe record.
 
-A probe holds, per ordered GPU pair, what was measured for direct P2P and for host-staged
-copies: bandwidth per direction *with both directions busy* (the all-to-all case; half of a
-bidirectional figure, or the unidirectional figure when that is all there is) and latency.
+A :class:`Probe` holds, per ordered GPU pair (:class:`PairMeasurement`), what was measured,
+and the concurrent patterns (:class:`PatternMeasurement`). Bandwidths are GB/s (1e9 B/s) per
+direction *with both directions of the pair busy* (the all-to-all case; half of a
+bidirectional figure); latencies are microseconds, one way.
 
-Sources: our JSON (``pcie_a2a.probe`` version 1), CUDA samples'
-``p2pBandwidthLatencyTest`` output and the author tables derived from it (heading lines
-with P2P=Enabled/Disabled, ``D\\D`` / ``GPU`` / ``Src->`` / ``Dst->`` column headers, ``-``
-or an em dash on the diagonal, truncated rows), and a live measurement with torch when
-GPUs are present (:func:`measure`).
+Per pair (fields that a source does not give stay None):
+
+* ``store_gbps`` / ``store_us``: kernel-issued stores by the sender into the receiver's
+  memory (push), and the one-way latency of a flag written that way (ping-pong / 2);
+* ``load_gbps`` / ``load_us``: kernel-issued loads by the receiver from the sender's memory
+  (pull), and one dependent load's round trip;
+* ``ce_gbps`` / ``ce_us``: the copy engine, stream on the sender (``cudaMemcpyPeerAsync``);
+  ``ce_read_gbps``: the same with the stream on the receiver;
+* ``staged_gbps`` / ``staged_us``: through pinned host memory on the receiver's NUMA node,
+  sender's copy engine then receiver's (the two legs one after the other, as the transport
+  runs them);
+* ``a2a_store_gbps`` / ``a2a_load_gbps``: this pair's rate inside the full all-to-all
+  (every GPU storing to, or loading from, every other at once);
+* ``p2p_gbps`` / ``p2p_us``: direct P2P as p2pBandwidthLatencyTest reports it (copy engine
+  writes); for our own records, the best push figure;
+* ``p2p_possible``: cudaDeviceCanAccessPeer.
+
+Sources: our JSON (``pcie_a2a.probe``: version 1, pairs only; version 2, written by
+``pcie-a2a probe``, adds the patterns, the raw samples they were derived from, the
+machine's identity and fingerprint, the plan's decisions and the diagnosis) and
+p2pBandwidthLatencyTest output (:mod:`.p2p_test`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import parse_error
-from .model import UNKNOWN_CLASS, Gpu, P2PStatus, Topology
-from .nccl_log import parse_test_devices
-from .text import body_lines
+from .errors import TopologyError, parse_error
 
 FORMAT = "pcie_a2a.probe"
-VERSION = 1
-_DASHES = {"-", "\u2014", "\u2013", "--"}
-_PEER = re.compile(r"Device\s*=\s*(\d+)\s+(CAN|CANNOT)\s+Access\s+Peer\s+Device\s*=\s*(\d+)")
-# "Device: 0, NVIDIA GeForce RTX 3090, pciBusID: 1b, pciDeviceID: 0, pciDomainID:0"
-_DEVICE = re.compile(
-    r"^\s*Device:\s*(\d+),\s*(.+?),\s*pciBusID:\s*([0-9a-fA-F]+),\s*pciDeviceID:\s*"
-    r"([0-9a-fA-F]+),\s*pciDomainID:\s*([0-9a-fA-F]+)"
-)
+VERSION = 2
+READABLE_VERSIONS = (1, 2)
+MODES = ("store", "load", "ce", "ce_read", "staged")  # how a flow moves its bytes
+
+
+def switch_pattern_name(switch: str, roots: int, mode: str) -> str:
+    """The name of the pattern in which the GPUs below `switch` move to GPUs behind
+    `roots` root complexes at once."""
+    return f"switch {switch} to {roots} root complex{'es' if roots != 1 else ''} {mode}"
 
 
 @dataclass(frozen=True)
@@ -40,29 +55,111 @@ class PairMeasurement:
     p2p_us: float | None = None
     staged_gbps: float | None = None
     staged_us: float | None = None
-    p2p_possible: bool | None = None  # the "P2P Connectivity Matrix" (cudaDeviceCanAccessPeer)
+    p2p_possible: bool | None = None  # cudaDeviceCanAccessPeer
+    store_gbps: float | None = None
+    store_us: float | None = None
+    load_gbps: float | None = None
+    load_us: float | None = None
+    ce_gbps: float | None = None
+    ce_us: float | None = None
+    ce_read_gbps: float | None = None
+    a2a_store_gbps: float | None = None
+    a2a_load_gbps: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+@dataclass(frozen=True)
+class PatternMeasurement:
+    """A set of flows run at once. ``kind``: ``all_to_all``, ``switch_roots`` (the GPUs
+    behind one switch writing to (reading from) GPUs behind ``roots`` root complexes),
+    ``socket`` (all-to-all inside one socket) or ``cross_socket`` (every pair across)."""
+
+    name: str
+    kind: str
+    mode: str  # one of MODES
+    flows: tuple[tuple[int, int], ...]
+    flow_gbps: tuple[float, ...]  # per flow, same order
+    aggregate_gbps: float  # all bytes over the time the slowest flow took
+    switch: str | None = None
+    roots: int | None = None
+    socket: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["flows"] = [list(f) for f in self.flows]
+        d["flow_gbps"] = list(self.flow_gbps)
+        return {k: v for k, v in d.items() if v is not None}
+
+
+@dataclass(frozen=True)
+class GpuIdentity:
+    index: int  # the device index in the probing process
+    bus_id: str | None = None
+    uuid: str | None = None
+    name: str | None = None
 
 
 @dataclass(frozen=True)
 class Probe:
     pairs: dict[tuple[int, int], PairMeasurement] = field(default_factory=dict)
     source: str = ""
+    patterns: tuple[PatternMeasurement, ...] = ()
+    gpus: tuple[GpuIdentity, ...] = ()
+    driver: str | None = None
+    fingerprint: str | None = None
+    samples: dict[str, Any] | None = None  # raw samples (JSON), see calibration.derive
+    settings: dict[str, Any] | None = None
+    decisions: dict[str, Any] | None = None  # planner.decisions_dict of the plan made with it
+    diagnosis: tuple[str, ...] = ()
+    elapsed_s: float | None = None
+    topology: dict[str, Any] | None = None  # the machine's topology JSON, to plan offline
 
     def get(self, src: int, dst: int) -> PairMeasurement | None:
         return self.pairs.get((src, dst))
 
-    def to_json(self) -> str:
-        rows = [
-            {"src": s, "dst": d, **{k: v for k, v in m.__dict__.items() if v is not None}}
-            for (s, d), m in sorted(self.pairs.items())
+    def pattern(self, name: str) -> PatternMeasurement | None:
+        return next((p for p in self.patterns if p.name == name), None)
+
+    def pattern_rate(self, name: str, src: int, dst: int) -> float | None:
+        """The rate of flow src->dst inside pattern `name`, None when not measured."""
+        p = self.pattern(name)
+        if p is None:
+            return None
+        for f, r in zip(p.flows, p.flow_gbps, strict=True):
+            if f == (src, dst):
+                return r
+        return None
+
+    # ---- JSON -------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"format": FORMAT, "version": VERSION, "source": self.source}
+        if self.fingerprint is not None or self.gpus or self.driver is not None:
+            d["machine"] = {
+                "fingerprint": self.fingerprint,
+                "driver": self.driver,
+                "gpus": [dataclasses.asdict(g) for g in self.gpus],
+            }
+        if self.settings is not None:
+            d["settings"] = self.settings
+        if self.elapsed_s is not None:
+            d["elapsed_s"] = round(self.elapsed_s, 3)
+        d["pairs"] = [
+            {"src": s, "dst": t, **m.to_dict()} for (s, t), m in sorted(self.pairs.items())
         ]
-        return (
-            json.dumps(
-                {"format": FORMAT, "version": VERSION, "source": self.source, "pairs": rows},
-                indent=1,
-            )
-            + "\n"
-        )
+        d["patterns"] = [p.to_dict() for p in self.patterns]
+        if self.decisions is not None:
+            d["decisions"] = self.decisions
+        d["diagnosis"] = list(self.diagnosis)
+        if self.topology is not None:
+            d["topology"] = self.topology
+        if self.samples is not None:
+            d["samples"] = self.samples
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1) + "\n"
 
     @staticmethod
     def from_json(text: str, source: str = "<json>") -> Probe:
@@ -72,8 +169,19 @@ class Probe:
             raise parse_error(
                 source, exc.lineno, f"invalid JSON ({exc.msg}); expected a {FORMAT} document"
             ) from None
-        if not isinstance(d, dict) or d.get("format") != FORMAT or d.get("version") != VERSION:
-            raise parse_error(source, None, f"expected format={FORMAT!r} version={VERSION}")
+        return Probe.from_dict(d, source)
+
+    @staticmethod
+    def from_dict(d: Any, source: str = "<json>") -> Probe:
+        if (
+            not isinstance(d, dict)
+            or d.get("format") != FORMAT
+            or d.get("version") not in READABLE_VERSIONS
+        ):
+            got = (d.get("format"), d.get("version")) if isinstance(d, dict) else type(d).__name__
+            raise parse_error(
+                source, None, f"got {got!r}; expected format={FORMAT!r} version 1 or 2"
+            )
         pairs = {}
         for k, row in enumerate(d.get("pairs", [])):
             try:
@@ -84,281 +192,104 @@ class Probe:
                 raise parse_error(
                     source, None, f"pairs[{k}]: {exc}; expected src, dst and measurement fields"
                 ) from None
-        return Probe(pairs=pairs, source=d.get("source", source))
-
-
-@dataclass
-class _Block:
-    heading: str
-    line: int
-    cols: list[int]
-    rows_are_dst: bool = False
-    values: dict[tuple[int, int], float] = field(default_factory=dict)
-
-
-def _kind(heading: str) -> tuple[str, str, str] | None:
-    """(quantity, transport, direction) of a matrix heading, None for other matrices."""
-    h = heading.lower()
-    if "connectivity" in h:
-        return ("connectivity", "", "")
-    if h.strip() == "cpu":
-        return None
-    transport = "staged" if "p2p=disabled" in h else "p2p"
-    if "latency" in h:
-        return ("latency", transport, "")
-    if "bandwidth" in h or "gb/s" in h or "matrix" in h:
-        return ("bandwidth", transport, "bidir" if "bidirectional" in h else "uni")
-    return None
-
-
-def _num(tok: str) -> float | None:
-    if tok in _DASHES:
-        return None
-    try:
-        return float(tok)
-    except ValueError:
-        return None
-
-
-def _scan(text: str, source: str) -> list[_Block]:
-    """The measurement blocks of p2pBandwidthLatencyTest output (at least one)."""
-    blocks: list[_Block] = []
-    heading, heading_line = "", 0
-    current: _Block | None = None
-    for lineno, line in body_lines(text):
-        toks = line.replace("\t", " ").split()
-        if not toks:
-            current = None
-            continue
-        head = re.match(
-            r"^\s*(D\\D|GPU|CPU|Src->|Dst->)\s+((?:GPU\s*)?\d+(?:\s+(?:GPU\s*)?\d+)*)\s*$",
-            line.replace("\t", " "),
-        )
-        if head:
-            if head.group(1) == "CPU":  # host-side latency of the same copies: not ours
-                current = None
-                continue
-            cols = [int(c) for c in re.findall(r"\d+", head.group(2))]
-            current = _Block(heading, heading_line, cols, rows_are_dst=head.group(1) == "Src->")
-            if _kind(heading) is not None:
-                blocks.append(current)
-            continue
-        row = re.match(r"^\s*(?:GPU\s*)?(\d+):?\s+(.*)$", line.replace("\t", " "))
-        if current is not None and row:
-            r = int(row.group(1))
-            for k, tok in enumerate(row.group(2).split()[: len(current.cols)]):
-                v = _num(tok)
-                if v is None and tok not in _DASHES:
-                    if k == 0:
-                        raise parse_error(
-                            source,
-                            lineno,
-                            f"row {r}: {tok!r} is not a number; expected one value per column",
-                        )
-                    break  # trailing author comment after a partial row
-                if v is not None:
-                    c = current.cols[k]
-                    current.values[(c, r) if current.rows_are_dst else (r, c)] = v
-            continue
-        current = None
-        heading, heading_line = line.strip(), lineno
-    if not blocks:
-        raise parse_error(
-            source,
-            None,
-            "no p2pBandwidthLatencyTest matrix found (a heading, a 'D\\D 0 1 ..' header, rows)",
-        )
-    return blocks
-
-
-def _peer_lines(text: str) -> dict[tuple[int, int], bool]:
-    """'Device=0 CAN Access Peer Device=1' / 'CANNOT' lines: cudaDeviceCanAccessPeer."""
-    out = {}
-    for _, line in body_lines(text):
-        m = _PEER.search(line)
-        if m:
-            out[(int(m.group(1)), int(m.group(3)))] = m.group(2) == "CAN"
-    return out
-
-
-def parse_p2p_test(text: str, source: str = "<text>") -> Probe:
-    """Measurements from p2pBandwidthLatencyTest output (or author tables of it)."""
-    blocks = _scan(text, source)
-    acc: dict[tuple[int, int], dict[str, Any]] = {}
-    for b in blocks:
-        kind = _kind(b.heading)
-        assert kind is not None
-        qty, transport, direction = kind
-        for (s, d), v in b.values.items():
-            if s == d:
-                continue
-            m = acc.setdefault((s, d), {})
-            if qty == "connectivity":
-                m["p2p_possible"] = v != 0
-            elif qty == "latency":
-                m.setdefault(f"{transport}_us", v)
-            else:
-                m.setdefault(f"{transport}_{direction}", v)  # the first block of a kind wins
-    for key, ok in _peer_lines(text).items():
-        if key[0] != key[1]:
-            acc.setdefault(key, {}).setdefault("p2p_possible", ok)
-    pairs = {}
-    for key, m in acc.items():
-        fields: dict[str, Any] = {
-            k: m[k] for k in ("p2p_us", "staged_us", "p2p_possible") if k in m
-        }
-        for t in ("p2p", "staged"):
-            # Both directions busy is the all-to-all case: half a bidirectional figure is
-            # the number to plan with; a unidirectional one is the fallback.
-            if f"{t}_bidir" in m:
-                fields[f"{t}_gbps"] = m[f"{t}_bidir"] / 2
-            elif f"{t}_uni" in m:
-                fields[f"{t}_gbps"] = m[f"{t}_uni"]
-        if fields.get("p2p_possible") is False:
-            # cudaDeviceCanAccessPeer said no: the "P2P=Enabled" runs fell back to staging.
-            for name in ("gbps", "us"):
-                if f"p2p_{name}" in fields:
-                    fields.setdefault(f"staged_{name}", fields.pop(f"p2p_{name}"))
-                    fields.pop(f"p2p_{name}", None)
-        pairs[key] = PairMeasurement(**fields)
-    return Probe(pairs=pairs, source=source)
-
-
-def p2p_test_topology(text: str, source: str = "<text>") -> tuple[Topology, Probe]:
-    """The GPUs of p2pBandwidthLatencyTest output, each pair's P2P status from the P2P
-    Connectivity Matrix (cudaDeviceCanAccessPeer), and the measurements as a probe. The
-    output shows no path, so every class is ? (unknown) and no PCIe tree is made up."""
-    blocks = _scan(text, source)
-    probe = parse_p2p_test(text, source)
-    found: dict[int, tuple[str, str]] = {}  # device -> (name, bus id)
-    for lineno, line in body_lines(text):
-        m = _DEVICE.match(line)
-        if m:
-            dev, name, bus, slot, dom = m.groups()
-            if int(dev) in found:
-                raise parse_error(source, lineno, f"device {dev} listed twice")
-            found[int(dev)] = (name, f"{int(dom, 16):04x}:{int(bus, 16):02x}:{int(slot, 16):02x}.0")
-    seen = {i for b in blocks for key in b.values for i in key} | set(found)
-    seen |= {i for key in _peer_lines(text) for i in key}
-    n = max(seen) + 1
-    notes = [
-        "p2pBandwidthLatencyTest output shows no PCIe tree, NUMA node or path class: every "
-        "class is ? (unknown) and decisions rest on the P2P status and the measured numbers"
-    ]
-    if not found:
-        # Author pages sometimes add an nccl-tests run of the same box: its device list
-        # names the GPUs when it covers exactly the matrix's devices.
+        patterns = []
+        for k, row in enumerate(d.get("patterns", [])):
+            try:
+                row = dict(row)
+                row["flows"] = tuple((int(a), int(b)) for a, b in row["flows"])
+                row["flow_gbps"] = tuple(float(x) for x in row["flow_gbps"])
+                if len(row["flows"]) != len(row["flow_gbps"]):
+                    raise ValueError("flows and flow_gbps differ in length")
+                if row["mode"] not in MODES:
+                    raise ValueError(f"mode {row['mode']!r} is not one of {MODES}")
+                patterns.append(PatternMeasurement(**row))
+            except (KeyError, TypeError, ValueError) as exc:
+                raise parse_error(
+                    source,
+                    None,
+                    f"patterns[{k}]: {exc}; expected name, kind, mode, flows, "
+                    "flow_gbps and aggregate_gbps",
+                ) from None
+        machine = d.get("machine") or {}
         try:
-            devs = parse_test_devices(text, source)
-        except ValueError:
-            devs = []
-        if devs and sorted(d.device for d in devs) == list(range(n)):
-            found = {d.device: (d.name, d.bus_id or "") for d in devs}
-            notes.append("GPU names and bus ids from the nccl-tests device list in the file")
-    conn = {k: m.p2p_possible for k, m in probe.pairs.items() if m.p2p_possible is not None}
-    p2p = [
-        [
-            P2PStatus.UNKNOWN
-            if i == j or (i, j) not in conn
-            else (P2PStatus.SUPPORTED if conn[(i, j)] else P2PStatus.UNSUPPORTED)
-            for j in range(n)
-        ]
-        for i in range(n)
-    ]
-    if conn:
-        notes.append(
-            "P2P status from the P2P Connectivity Matrix (cudaDeviceCanAccessPeer; 0 does not "
-            "say whether hardware or driver policy refuses, it is shown as unsupported)"
+            gpus = tuple(GpuIdentity(**g) for g in machine.get("gpus", []))
+        except TypeError as exc:
+            raise parse_error(source, None, f"machine.gpus: {exc}") from None
+        return Probe(
+            pairs=pairs,
+            source=d.get("source", source),
+            patterns=tuple(patterns),
+            gpus=gpus,
+            driver=machine.get("driver"),
+            fingerprint=machine.get("fingerprint"),
+            samples=d.get("samples"),
+            settings=d.get("settings"),
+            decisions=d.get("decisions"),
+            diagnosis=tuple(d.get("diagnosis", ())),
+            elapsed_s=d.get("elapsed_s"),
+            topology=d.get("topology"),
         )
-    else:
-        notes.append(
-            "no P2P Connectivity Matrix in the file: P2P status unknown; 'P2P=Enabled' numbers "
-            "are taken as P2P measurements"
+
+    # ---- matching the probing process's devices to a topology's GPUs ------------------
+    def aligned_to(self, bus_ids: list[str | None]) -> Probe:
+        """This probe with its device indices replaced by topology GPU indices (given the
+        topology's bus ids, in GPU order). Matched by PCI bus id when both sides have
+        them (the probing process saw CUDA's order, which CUDA_DEVICE_ORDER and
+        CUDA_VISIBLE_DEVICES change); otherwise index i is GPU i. Raises TopologyError when
+        the probe measured a GPU the topology does not have."""
+        from .ranks import normalise_bus_id
+
+        ids = [g.bus_id for g in self.gpus]
+        if not self.gpus or None in ids or None in bus_ids:
+            n = len(bus_ids)
+            bad = sorted({i for key in self.pairs for i in key if i >= n})
+            if bad:
+                raise TopologyError(
+                    f"{self.source}: measures GPU {bad[0]} but the topology has {n} GPUs"
+                )
+            return self
+        where = {normalise_bus_id(b): k for k, b in enumerate(bus_ids) if b}
+        mapping = {}
+        for g in self.gpus:
+            b = normalise_bus_id(g.bus_id or "")
+            if b not in where:
+                raise TopologyError(
+                    f"{self.source}: probed GPU {g.index} ({g.bus_id}) is not in the topology "
+                    f"({', '.join(sorted(where))})"
+                )
+            mapping[g.index] = where[b]
+        if all(k == v for k, v in mapping.items()):
+            return self
+
+        def pair(k: tuple[int, int]) -> tuple[int, int]:
+            return (mapping[k[0]], mapping[k[1]])
+
+        return dataclasses.replace(
+            self,
+            pairs={pair(k): m for k, m in self.pairs.items()},
+            patterns=tuple(
+                dataclasses.replace(p, flows=tuple(pair(f) for f in p.flows)) for p in self.patterns
+            ),
+            gpus=tuple(dataclasses.replace(g, index=mapping[g.index]) for g in self.gpus),
         )
-    notes.append("the file's measurements are the probe (--probe / --probe-file replace them)")
-    gpus = tuple(
-        Gpu(
-            index=i,
-            name=found[i][0] if i in found else None,
-            bus_id=(found[i][1] or None) if i in found else None,
-        )
-        for i in range(n)
-    )
-    topo = Topology(
-        gpus=gpus,
-        classes=tuple(tuple("X" if i == j else UNKNOWN_CLASS for j in range(n)) for i in range(n)),
-        p2p=tuple(tuple(r) for r in p2p),
-        source=source,
-        notes=tuple(notes),
-    )
-    return topo, probe
 
 
 def load_probe(path: str) -> Probe:
+    """A probe from a file: our JSON (version 1 or 2) or p2pBandwidthLatencyTest output."""
     with open(path, encoding="utf-8") as f:
         text = f.read()
     if text.lstrip().startswith("{"):
         return Probe.from_json(text, path)
+    from .p2p_test import parse_p2p_test
+
     return parse_p2p_test(text, path)
 
 
 class ProbeUnavailable(RuntimeError):
-    """Measuring needs CUDA GPUs; raised instead of inventing numbers."""
+    """Measuring needs CUDA GPUs (and the compiled probe); raised instead of inventing
+    numbers."""
 
 
-def measure(nbytes: int = 64 << 20, iters: int = 5) -> Probe:  # pragma: no cover - needs GPUs
-    """Measure every ordered pair with torch: a device-to-device copy (P2P when the driver
-    allows it) and a copy staged through pinned host memory. Needs at least two GPUs."""
-    try:
-        import torch
-    except ImportError:
-        raise ProbeUnavailable("--probe needs torch with CUDA; torch is not installed") from None
-    if not torch.cuda.is_available():
-        raise ProbeUnavailable(
-            "--probe needs CUDA GPUs and none is visible (torch.cuda.is_available() is False)"
-        )
-    n = torch.cuda.device_count()
-    if n < 2:
-        raise ProbeUnavailable(f"--probe needs at least 2 GPUs, this machine shows {n}")
-
-    def timed(fn, dev: int) -> float:
-        fn()
-        torch.cuda.synchronize(dev)
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with torch.cuda.device(dev):
-            start.record()
-            for _ in range(iters):
-                fn()
-            stop.record()
-        torch.cuda.synchronize(dev)
-        return start.elapsed_time(stop) / iters * 1e-3
-
-    bufs = [torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{i}") for i in range(n)]
-    small = [torch.empty(4, dtype=torch.uint8, device=f"cuda:{i}") for i in range(n)]
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    host_small = torch.empty(4, dtype=torch.uint8, pin_memory=True)
-    pairs = {}
-    for s in range(n):
-        for d in range(n):
-            if s == d:
-                continue
-            ok = torch.cuda.can_device_access_peer(s, d)
-            p2p_t = timed(lambda s=s, d=d: bufs[d].copy_(bufs[s], non_blocking=True), s)
-            p2p_lat = timed(lambda s=s, d=d: small[d].copy_(small[s], non_blocking=True), s)
-
-            def staged(s=s, d=d, big=True):
-                src, dst, h = (bufs[s], bufs[d], host) if big else (small[s], small[d], host_small)
-                h.copy_(src, non_blocking=True)
-                torch.cuda.synchronize(s)
-                dst.copy_(h, non_blocking=True)
-
-            st_t = timed(staged, d)
-            st_lat = timed(lambda: staged(big=False), d)
-            pairs[(s, d)] = PairMeasurement(
-                p2p_gbps=nbytes / p2p_t / 1e9 if ok else None,
-                p2p_us=p2p_lat * 1e6 if ok else None,
-                staged_gbps=nbytes / st_t / 1e9,
-                staged_us=st_lat * 1e6,
-                p2p_possible=ok,
-            )
-    return Probe(pairs=pairs, source="measured (unidirectional, one pair at a time)")
+class ProbeGateError(RuntimeError):
+    """The known-answer exchange returned a wrong byte: the message names the pair, the way
+    the bytes moved, the first wrong offset and the values. No timing is run after it."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from .model import Topology
 from .planner import P2P, Plan
@@ -23,11 +24,53 @@ from .planner import P2P, Plan
 
 @dataclass(frozen=True)
 class RankPlan:
+    """What a transport reads, per rank pair ``[src][dst]`` (sender first; the diagonal is
+    a rank to itself: p2p, push, sm, phase -1).
+
+    ``pair_direction``: "push" (the sender stores rows into the receiver's memory) or "pull"
+    (the sender release-stores a ready flag into the receiver's memory, the receiver loads
+    the rows and writes a consumed flag back). ``pair_engine``: "sm" (kernel loads/stores;
+    the transport may still use the copy engine for large normal-mode pairs) or
+    "copy_engine" (whatever the size). ``pair_phase``: the round in which src sends to dst
+    (the rounds are ``send_order``); when ``phased`` the rounds must not overlap for pushing
+    pairs: a sender starts round r + 1 only after its round r rows are out (the collapse
+    trigger, :mod:`.roots`). ``reasons[src][dst]``: "path; direction; engine" for logs."""
+
     gpus: tuple[int, ...]  # topology GPU of each rank
     pair_transport: tuple[tuple[str, ...], ...]  # [src][dst]: "p2p" or "staged"
     send_order: tuple[tuple[int, ...], ...]  # per sender: every rank once, itself last
     staging_numa: tuple[int | None, ...]  # per receiver: NUMA node of its staging memory
     how: str  # how ranks were matched to GPUs (for logs)
+    pair_direction: tuple[tuple[str, ...], ...] = ()  # [src][dst]: "push" or "pull"
+    pair_engine: tuple[tuple[str, ...], ...] = ()  # [src][dst]: "sm" or "copy_engine"
+    pair_phase: tuple[tuple[int, ...], ...] = ()  # [src][dst]: round, -1 for oneself
+    phased: bool = False
+    reasons: tuple[tuple[str, ...], ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        """The decisions as plain data (what ``Buffer.stats()`` records)."""
+        world = len(self.gpus)
+        return {
+            "how": self.how,
+            "gpus": list(self.gpus),
+            "phased": self.phased,
+            "send_order": [list(o) for o in self.send_order],
+            "staging_numa": list(self.staging_numa),
+            "pairs": [
+                {
+                    "src": s,
+                    "dst": d,
+                    "path": self.pair_transport[s][d],
+                    "direction": self.pair_direction[s][d] if self.pair_direction else "push",
+                    "engine": self.pair_engine[s][d] if self.pair_engine else "sm",
+                    "phase": self.pair_phase[s][d] if self.pair_phase else -1,
+                    "reason": self.reasons[s][d] if self.reasons else "",
+                }
+                for s in range(world)
+                for d in range(world)
+                if s != d
+            ],
+        }
 
 
 def normalise_bus_id(bus_id: str) -> str:
@@ -90,14 +133,55 @@ def plan_ranks(topology: Topology, plan: Plan, rank_bus_ids: Sequence[str]) -> R
         )
     gpus, how = match_ranks(topology, rank_bus_ids)
     world = len(gpus)
-    pairs = tuple(
+
+    def table(field: str, same: Any) -> tuple[tuple[Any, ...], ...]:
+        return tuple(
+            tuple(
+                same if gpus[s] == gpus[d] else getattr(plan.pair(gpus[s], gpus[d]), field)
+                for d in range(world)
+            )
+            for s in range(world)
+        )
+
+    pairs = table("transport", P2P)
+    default = default_send_order(world)
+    orders = tuple(_rank_order(s, gpus, plan) or default[s] for s in range(world))
+    one_to_one = all(_rank_order(s, gpus, plan) is not None for s in range(world))
+    # Phases are the planner's rounds only when every rank has its own GPU; otherwise a
+    # rank's position in the default order.
+    phases = (
+        table("phase", -1)
+        if one_to_one
+        else tuple(
+            tuple(-1 if s == d else orders[s].index(d) for d in range(world)) for s in range(world)
+        )
+    )
+    reasons = tuple(
         tuple(
-            P2P if gpus[s] == gpus[d] else plan.pair(gpus[s], gpus[d]).transport
+            "same GPU (CUDA IPC)"
+            if gpus[s] == gpus[d]
+            else "; ".join(
+                (
+                    q.reason,
+                    q.direction_reason or q.direction,
+                    q.engine_reason or q.engine,
+                )
+            )
             for d in range(world)
+            for q in [None if gpus[s] == gpus[d] else plan.pair(gpus[s], gpus[d])]
         )
         for s in range(world)
     )
-    default = default_send_order(world)
-    orders = tuple(_rank_order(s, gpus, plan) or default[s] for s in range(world))
     numa = tuple(topology.gpus[g].numa_node for g in gpus)
-    return RankPlan(tuple(gpus), pairs, orders, numa, how)
+    return RankPlan(
+        tuple(gpus),
+        pairs,
+        orders,
+        numa,
+        how,
+        pair_direction=table("direction", "push"),
+        pair_engine=table("engine", "sm"),
+        pair_phase=phases,
+        phased=plan.phased and one_to_one,
+        reasons=reasons,
+    )

@@ -8,11 +8,19 @@ from __future__ import annotations
 
 import re
 
+from .directions import COPY_ENGINE, PULL, SM
 from .model import UNKNOWN_CLASS, Topology
-from .planner import P2P, STAGED, Plan
+from .planner import STAGED, Plan
 
 _STATUS = {"supported": "S", "unsupported": "U", "disabled": "D", "unknown": "?"}
-_TRANSPORT = {P2P: "P", STAGED: "H"}
+_ENGINE = {SM: "s", COPY_ENGINE: "c"}
+
+
+def _transport_letter(transport: str, direction: str) -> str:
+    """P P2P push, L P2P pull (the receiver loads), H host-staged."""
+    if transport == STAGED:
+        return "H"
+    return "L" if direction == PULL else "P"
 
 
 def _link_text(gen: int | None, width: int | None) -> str:
@@ -104,19 +112,39 @@ def _ranges(pattern: str, reasons: list[str]) -> str:
     return out
 
 
+def _decision_groups(out: list[str], title: str, items: list[tuple[str, str, int, int]]) -> None:
+    """Reasons that differ only in their measured numbers form one line with ranges."""
+    out.append("")
+    out.append(title)
+    groups: dict[tuple[str, str], list[tuple[int, int, str]]] = {}
+    for choice, reason, a, b in items:
+        groups.setdefault((choice, _NUMBER.sub("#", reason)), []).append((a, b, reason))
+    if not items:
+        out.append("  none")
+    for (choice, pattern), members in groups.items():
+        prs = [(a, b) for a, b, _ in members]
+        out.append(
+            f"  {choice:<6} {len(prs):3d} pairs: {_ranges(pattern, [r for _, _, r in members])}"
+        )
+        out.append(f"                    {_pairs_text(prs)}")
+
+
 def format_plan(plan: Plan, traffic_note: str = "") -> str:
     n = plan.num_gpus
     out: list[str] = []
     if n == 0:
         return "no GPUs: nothing to plan"
-    out.append("pairs (row sends to column): path class, P2P status, transport, expected GB/s")
+    out.append(
+        "pairs (row sends to column): path class, P2P status, transport, engine, expected GB/s"
+    )
     if any(p.path_class == UNKNOWN_CLASS for p in plan.pairs):
         out.append("  path class ? unknown: the source does not show the path between the GPUs;")
     out.append("  status S supported, U unsupported, D disabled by driver, ? unknown;")
     out.append(
-        "  transport P direct P2P, H host-staged; GB/s per direction with both directions busy"
+        "  transport P P2P push, L P2P pull (receiver loads), H host-staged; engine s SM, c copy"
     )
-    width = 14
+    out.append("  engine; GB/s per direction with both directions busy")
+    width = 15
     out.append(("      " + "".join(f"GPU{j}".ljust(width) for j in range(n))).rstrip())
     for i in range(n):
         cells = []
@@ -125,26 +153,27 @@ def format_plan(plan: Plan, traffic_note: str = "") -> str:
                 cells.append("X".ljust(width))
                 continue
             p = plan.pair(i, j)
-            cells.append(
-                f"{p.path_class:<4} {_STATUS[p.p2p_status]}{_TRANSPORT[p.transport]} {p.gbps:5.1f}".ljust(
-                    width
-                )
-            )
+            letters = _STATUS[p.p2p_status] + _transport_letter(p.transport, p.direction)
+            letters += _ENGINE.get(p.engine, "?")
+            cells.append(f"{p.path_class:<4} {letters} {p.gbps:5.1f}".ljust(width))
         out.append(f"GPU{i}".ljust(6) + "".join(cells).rstrip())
 
-    out.append("")
-    out.append("decisions")
-    # Reasons that differ only in their measured numbers form one line with number ranges.
-    groups: dict[tuple[str, str], list[tuple[int, int, str]]] = {}
-    for p in plan.pairs:
-        key = (p.transport, _NUMBER.sub("#", p.reason))
-        groups.setdefault(key, []).append((p.src, p.dst, p.reason))
-    for (transport, pattern), members in groups.items():
-        prs = [(a, b) for a, b, _ in members]
-        out.append(
-            f"  {transport:<6} {len(prs):3d} pairs: {_ranges(pattern, [r for _, _, r in members])}"
-        )
-        out.append(f"                    {_pairs_text(prs)}")
+    _decision_groups(
+        out, "decisions: path", [(p.transport, p.reason, p.src, p.dst) for p in plan.pairs]
+    )
+    p2p = [p for p in plan.pairs if p.transport != STAGED]
+    _decision_groups(
+        out,
+        "decisions: direction (P2P pairs)"
+        if len(p2p) < len(plan.pairs)
+        else "decisions: direction",
+        [(p.direction, p.direction_reason or "-", p.src, p.dst) for p in p2p],
+    )
+    _decision_groups(
+        out,
+        "decisions: engine",
+        [(p.engine, p.engine_reason or "-", p.src, p.dst) for p in plan.pairs],
+    )
 
     out.append("")
     out.append("host staging (pinned memory on the receiver's NUMA node)")
@@ -163,6 +192,17 @@ def format_plan(plan: Plan, traffic_note: str = "") -> str:
         f"send schedule: {len(plan.rounds)} rounds, each rank sends to one peer per round; "
         f"most flows on one shared link in any round: {plan.max_shared_load}"
     )
+    if plan.schedule_reason:
+        out.append(f"  {plan.schedule_reason}")
+    if plan.phased:
+        out.append(
+            "  phased: rounds must not overlap for pushing pairs (a sender starts round r+1 "
+            "after its round r rows are out)"
+        )
+    for sw, factor, basis in plan.collapse_factors:
+        out.append(
+            f"  switch {sw}: pushing into 2+ root complexes keeps {factor:.2f} of the rate ({basis})"
+        )
     for r, (rnd, loads) in enumerate(zip(plan.rounds, plan.round_loads, strict=True)):
         busy = ", ".join(f"{lid} {c}" for lid, c in loads) or "no shared link"
         out.append(f"  round {r + 1}: {' '.join(f'{a}->{b}' for a, b in enumerate(rnd))}  | {busy}")

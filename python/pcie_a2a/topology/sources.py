@@ -6,13 +6,15 @@ import os
 import re
 
 from .. import env
+from . import probe_cache
 from .errors import TopologyError
 from .live import discover
 from .model import Topology
 from .nccl_log import topology_from_nccl_paths, topology_from_nccl_tests
 from .nccl_xml import parse_xml
 from .nvidia_smi import parse_topo
-from .probe import Probe, p2p_test_topology
+from .p2p_test import p2p_test_topology
+from .probe import Probe, load_probe
 from .text import body_lines
 
 # Markers that only these tools print; none of them occurs in `nvidia-smi topo -m` text, so
@@ -88,9 +90,36 @@ def load(path: str | os.PathLike) -> Topology:
 
 
 def current_with_probe(sysfs_root: str = "/sys") -> tuple[Topology, Probe | None]:
-    """PCIE_A2A_TOPO_FILE when set (with its measurements), else live discovery."""
+    """The topology to plan with and the measurements to plan with:
+
+    * topology: PCIE_A2A_TOPO_FILE when set, else live discovery;
+    * probe: PCIE_A2A_PROBE_FILE when set (a recorded ``pcie-a2a probe`` JSON or
+      p2pBandwidthLatencyTest output); else the topology file's own measurements; else,
+      on the live machine, the probe cached for its fingerprint (:mod:`.probe_cache`;
+      PCIE_A2A_PROBE_CACHE=0 skips it); else None (the plan's per-class defaults).
+
+    The CUDA transport's ``topology_rank_plan`` calls this, so a ``Buffer`` plans with the
+    machine's probe once ``pcie-a2a probe`` has run on it."""
     path = env.topo_file()
-    return load_with_probe(path) if path else (discover(sysfs_root), None)
+    topo, probe = load_with_probe(path) if path else (discover(sysfs_root), None)
+    recorded = env.probe_file()
+    if recorded:
+        return topo, load_probe(recorded)
+    if probe is None and not path and env.probe_cache():
+        probe = cached_probe(topo)
+    return topo, probe
+
+
+def cached_probe(topo: Topology) -> Probe | None:
+    """The probe cached for this machine's fingerprint, if any (needs NVML to name the
+    GPUs by UUID)."""
+    bus_ids = [g.bus_id for g in topo.gpus]
+    if not bus_ids or None in bus_ids:
+        return None
+    ident = probe_cache.machine_identity([b for b in bus_ids if b])
+    if ident is None:
+        return None
+    return probe_cache.lookup(probe_cache.fingerprint(*ident))
 
 
 def current(sysfs_root: str = "/sys") -> Topology:
