@@ -97,5 +97,17 @@ PYBIND11_MODULE(_moe_int4, m) {
       py::arg("lane"), py::arg("word"), py::arg("nibble"),
       "(k, n) inside the 16x64 tile of nibble p of word j of lane (layout.h)");
   m.def("scale_position", &mi::scale_position, py::arg("col"));
+  m.def(
+      "partition",
+      [](int64_t items, int k_tiles, int64_t grid, bool splittable) {
+        const mi::Partition pt = mi::make_partition(items, k_tiles, grid, splittable);
+        py::list begins, owners;
+        for (int64_t b = 0; b <= pt.ctas; ++b) begins.append(pt.begin(b));
+        for (int64_t v = 0; v < pt.units; ++v) owners.append(pt.owner(v));
+        return py::make_tuple(pt.ctas, begins, owners);
+      },
+      py::arg("items"), py::arg("k_tiles"), py::arg("grid"), py::arg("splittable"),
+      "The GEMM's stream-K partition: (CTAs, first unit of each CTA and the end, owner of "
+      "each unit)");
   m.def("gate_up_channel", &mi::gate_up_channel, py::arg("n0"), py::arg("col"));
 }

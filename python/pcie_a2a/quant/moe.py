@@ -192,14 +192,16 @@ def _cuda_workspace(dev: torch.device, stream: torch.cuda.Stream) -> Workspace:
     return ws
 
 
-def _raise_routing_errors(ws: Workspace, num_experts: int) -> None:
+def _raise_routing_errors(ws: Workspace, num_experts: int | None) -> None:
     bad = int(ws.errors[0])
     if bad:
         ws.errors.zero_()
+        e = "E" if num_experts is None else str(num_experts)
         raise ValueError(
             f"row_experts: an earlier moe_int4_mlp call on this stream held {bad} expert ids "
-            f"outside [-1, {num_experts}); the kernel skipped them (allowed: -1 or a local "
-            "expert id; check_routing_errors() synchronises and reports at once)"
+            f"outside [-1, {e}) (or counts outside [0, capacity]); the kernel skipped them "
+            "(allowed: -1 or a local expert id; check_routing_errors() synchronises and "
+            "reports at once)"
         )
 
 
@@ -208,7 +210,7 @@ def check_routing_errors() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     for ws in _WORKSPACES.values():
-        _raise_routing_errors(ws, -1)
+        _raise_routing_errors(ws, None)
 
 
 def _weight_fields(prefix: str, w: PackedInt4Weight) -> dict:
