@@ -656,6 +656,6 @@ def test_emulated_sources_are_the_kernel():
     emu_ops = (EMU / "override" / "cuda" / "moe_int4" / "device_ops.cuh").read_text()
     real_ops = (CSRC / "cuda" / "moe_int4" / "device_ops.cuh").read_text()
     names = ("dynamic_smem", "lop3_and_or", "cp_async16", "cp_async_commit", "cp_async_wait")
-    extra = ("prmt", "fma2", "ldmatrix_x4", "grid_dependency_wait")
+    extra = ("prmt", "fma2", "ldmatrix_x4", "grid_dependency_wait", "grid_dependency_launch")
     for fn in (*names, *extra, "mma_16816"):
         assert re.search(rf"\b{fn}\b", real_ops) and re.search(rf"\b{fn}\b", emu_ops), fn

@@ -64,6 +64,15 @@ __device__ __forceinline__ void grid_dependency_wait() {
 #endif
 }
 
+// Let the next kernel of the stream launch now: its CTAs become resident as this grid's
+// CTAs exit and wait in grid_dependency_wait() for this grid to complete, so only the
+// launch latency overlaps; correctness never depends on where this is called.
+__device__ __forceinline__ void grid_dependency_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 // 16 bytes global -> shared, asynchronous; pred false: fill with zeros, read nothing.
 // Both addresses must be 16-byte aligned.
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool pred) {

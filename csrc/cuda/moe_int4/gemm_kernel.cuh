@@ -507,6 +507,7 @@ template <typename T, int kBlockM, bool kZeros, bool kGroup32>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<kBlockM>)
     moe_int4_gemm_kernel(const GemmParams p) {
   grid_dependency_wait();  // routing, h and the accumulator come from earlier kernels
+  grid_dependency_launch();
   using Cta = GemmCta<T, kBlockM, kZeros, kGroup32>;
   Cta cta(p, dynamic_smem());
   constexpr int kM = Cta::kMBlocks;

@@ -66,6 +66,7 @@ __global__ void __launch_bounds__(kScheduleThreads)
                          int32_t* tiles, int32_t* status, int64_t max_tiles, int32_t* row_pairs,
                          int32_t* active_rows, int32_t* errors) {
   grid_dependency_wait();
+  grid_dependency_launch();
   __shared__ int32_t cnt[kMaxExperts], off[kMaxExperts], tile_off[kMaxExperts], cursor[kMaxExperts];
   __shared__ int32_t bad, active;
   for (int e = threadIdx.x; e < num_experts; e += blockDim.x) cnt[e] = cursor[e] = 0;
@@ -110,6 +111,7 @@ __global__ void __launch_bounds__(kScheduleThreads)
                                  int block_m, int32_t* pair_src, float* pair_w, int32_t* tiles,
                                  int32_t* status, int64_t max_tiles, int32_t* errors) {
   grid_dependency_wait();
+  grid_dependency_launch();
   __shared__ int32_t cnt[kMaxExperts], off[kMaxExperts], tile_off[kMaxExperts];
   __shared__ int32_t bad;
   if (threadIdx.x == 0) bad = 0;
@@ -143,6 +145,7 @@ __global__ void permute_rows_kernel(const T* x, int64_t lda, const int32_t* perm
                                     const int32_t* tiles, const int32_t* num_tiles,
                                     int64_t max_tiles, const int32_t* pair_src, T* out) {
   grid_dependency_wait();
+  grid_dependency_launch();
   const int64_t n = min(static_cast<int64_t>(*num_tiles), max_tiles);
   for (int64_t t = blockIdx.x; t < n; t += gridDim.x) {
     const int32_t e = tiles[t * 4], pair0 = tiles[t * 4 + 1], rows = tiles[t * 4 + 2];

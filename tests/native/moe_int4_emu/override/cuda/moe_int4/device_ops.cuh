@@ -12,7 +12,7 @@
 //    inside the dynamic shared memory), the first lane through reads the four 8x8 matrices
 //    at once (as the hardware does) and every lane takes its registers from that copy.
 //  * prmt, fma2 (computed exactly in double, rounded once to the 16-bit type) and
-//    griddepcontrol.wait (a no-op: launches run one after the other).
+//    griddepcontrol.wait / launch_dependents (no-ops: launches run one after the other).
 //  * mma.sync.m16n8k16: warp-collective; each lane publishes its fragment registers and
 //    reads the others', placed by the PTX ISA fragment tables (written here from the ISA,
 //    not from the kernel or the packer). fp32 accumulation.
@@ -134,6 +134,7 @@ inline __half2 fma2(__half2 a, __half2 b, __half2 c) {
 }
 
 inline void grid_dependency_wait() {}
+inline void grid_dependency_launch() {}
 
 inline void ldmatrix_x4(uint32_t (&r)[4], const void* smem_row) {
   if (reinterpret_cast<uintptr_t>(smem_row) % 16)
