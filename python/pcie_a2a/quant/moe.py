@@ -180,25 +180,42 @@ class Workspace:
 
 
 _WORKSPACES: dict[tuple[int, int], Workspace] = {}
+_ERROR_FLAGS: dict[int, torch.Tensor] = {}
+
+
+def _error_flag(dev: torch.device) -> torch.Tensor:
+    """The device's invalid-id flag: pinned host memory the kernel writes (host-visible
+    without a sync). Pinned allocation is not allowed inside a CUDA-graph capture: a
+    capture before any eager call gets a device flag (ids are still skipped, the report
+    then needs check_routing_errors)."""
+    flag = _ERROR_FLAGS.get(dev.index)
+    if flag is None:
+        if torch.cuda.is_current_stream_capturing():
+            return torch.zeros(1, dtype=torch.int32, device=dev)
+        flag = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+        _ERROR_FLAGS[dev.index] = flag
+    return flag
 
 
 def _cuda_workspace(dev: torch.device, stream: torch.cuda.Stream) -> Workspace:
     key = (dev.index, stream.cuda_stream)
     ws = _WORKSPACES.get(key)
     if ws is None:
-        errors = torch.zeros(1, dtype=torch.int32, pin_memory=True)
-        ws = Workspace(lambda *s, dtype: torch.zeros(*s, dtype=dtype, device=dev), errors)
+        zeros = lambda *s, dtype: torch.zeros(*s, dtype=dtype, device=dev)  # noqa: E731
+        ws = Workspace(zeros, _error_flag(dev))
         _WORKSPACES[key] = ws
     return ws
 
 
 def _raise_routing_errors(ws: Workspace, num_experts: int | None) -> None:
+    if ws.errors.is_cuda:  # (only inside a first-call capture; reading it would sync)
+        return
     bad = int(ws.errors[0])
     if bad:
         ws.errors.zero_()
         e = "E" if num_experts is None else str(num_experts)
         raise ValueError(
-            f"row_experts: an earlier moe_int4_mlp call on this stream held {bad} expert ids "
+            f"row_experts: an earlier moe_int4_mlp call on this device held {bad} expert ids "
             f"outside [-1, {e}) (or counts outside [0, capacity]); the kernel skipped them "
             "(allowed: -1 or a local expert id; check_routing_errors() synchronises and "
             "reports at once)"
@@ -210,6 +227,9 @@ def check_routing_errors() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     for ws in _WORKSPACES.values():
+        if ws.errors.is_cuda and int(ws.errors[0]):  # a device flag (see _error_flag)
+            ws.errors.zero_()
+            raise ValueError("row_experts: a captured moe_int4_mlp call held invalid expert ids")
         _raise_routing_errors(ws, None)
 
 
@@ -515,7 +535,7 @@ def moe_int4_mlp(
     host sync, capturable in a CUDA graph), on CPU tensors :func:`moe_int4_mlp_reference`.
     Rows with no local expert are undefined on CUDA (see the module docstring).
     Expert ids outside ``[-1, E)`` are a ValueError on the CPU; the kernel skips them and
-    sets a host-visible flag, so the next call on the stream (or
+    sets a host-visible flag, so the next call on the device (or
     :func:`check_routing_errors`, which synchronises) raises ValueError.
     ``block_m`` (16 or 64) overrides :func:`choose_block_m`, which takes 16 unless
     ``rows_per_expert`` (a real estimate of the rows per active expert) is large.
