@@ -351,9 +351,9 @@ def test_expert_major_bad_counts_are_clamped(emulator, tmp_path):
     assert res["errors"].tolist() == [2]  # the host-visible flag
 
 
-def split_case(binary, workdir, bm, *, num_sms, per_sm, k_mult=1):
+def split_case(binary, workdir, bm, *, num_sms, per_sm, h=1024, i=512):
     """One row on one expert: few (tile, slice) items for many CTAs, so K is split."""
-    e, h, i = 2, 1024 * k_mult, 512
+    e = 2
     ex = make_experts("ct", 32, torch.bfloat16, e, h, i, seed=11)
     g = torch.Generator().manual_seed(12)
     x = torch.randn(3, h, generator=g).bfloat16()
@@ -380,12 +380,13 @@ def split_case(binary, workdir, bm, *, num_sms, per_sm, k_mult=1):
     [
         (16, 8, 4),  # 32 CTAs: gate/up 4 items x 16 k-tiles over 16 CTAs, down over 8
         (16, 2, 8),  # 16 CTAs, 8 workspace slots: the gate/up split is clamped to 8 CTAs
-        (64, 8, 2),  # block_m 64 splits too (its own workspace)
+        (64, 4, 2),  # block_m 64 splits too (its own workspace)
         (16, 3, 5),  # odd CTA count: uneven parts that start inside items
     ],
 )
 def test_split_k(emulator, tmp_path, bm, num_sms, per_sm):
-    res, ref = split_case(emulator, tmp_path, bm, num_sms=num_sms, per_sm=per_sm)
+    kw = dict(h=512, i=256) if bm == 64 else {}  # (a 64-row tile emulates 4x the MMA work)
+    res, ref = split_case(emulator, tmp_path, bm, num_sms=num_sms, per_sm=per_sm, **kw)
     check_rows(res, ref)  # (run_emulated checks that the workspace is left zeroed)
 
 
@@ -501,8 +502,13 @@ MUTATIONS = [
         "return ((v / gran) * ctas) /",
         "split_uneven",
     ),
-    # stream-K: a segment drops its last k-tile
-    ("gemm_kernel.cuh", "kb + (u_end - u)));", "kb + (u_end - u) - 1));", "split_uneven"),
+    # stream-K: a segment drops its last k-tile (a mutant must not hang: no change to u)
+    (
+        "gemm_kernel.cuh",
+        "for (int kt = kb; kt < ke; ++kt) {",
+        "for (int kt = kb; kt + 1 < ke; ++kt) {",
+        "split_uneven",
+    ),
     # workspace: more CTAs than slots (slot index past the workspace)
     (
         "gemm_kernel.cuh",
@@ -602,8 +608,10 @@ def _scenario(binary, workdir, name):
         )
         ref = moe_int4_mlp_reference(x, ids, torch.ones(40, 1), ex.w13, ex.w2)
     elif name in ("split", "split64"):
-        bm, sms, per_sm = (16, 8, 4) if name == "split" else (64, 4, 4)
-        res, ref = split_case(binary, workdir, bm, num_sms=sms, per_sm=per_sm)
+        if name == "split":
+            res, ref = split_case(binary, workdir, 16, num_sms=8, per_sm=4)
+        else:  # 8 CTAs for 4 workspace slots
+            res, ref = split_case(binary, workdir, 64, num_sms=2, per_sm=4, h=512, i=256)
         check_rows(res, ref)
         return
     elif name == "em_split":
