@@ -267,6 +267,8 @@ def rows_case(binary, workdir, fmt, group_size, dtype, bm, *, num_sms=4, per_sm=
         ("ct", 32, torch.bfloat16, 16),
         ("ct", 32, torch.float16, 64),
         ("awq", 64, torch.float16, 16),
+        ("awq", 32, torch.float16, 16),  # zero points with two groups per k-tile
+        ("awq", 32, torch.bfloat16, 16),
         ("awq", 128, torch.bfloat16, 16),
         ("gptq", 64, torch.bfloat16, 64),
         ("gptq", 128, torch.float16, 16),
