@@ -502,7 +502,7 @@ MUTATIONS = [
         "gemm_kernel.cuh",
         "return ((v / gran + 1) * ctas - 1) /",
         "return ((v / gran) * ctas) /",
-        "split_uneven",
+        "split_odd",
     ),
     # stream-K: a segment drops its last k-tile (a mutant must not hang: no change to u)
     (
@@ -609,9 +609,11 @@ def _scenario(binary, workdir, name):
             binary, workdir, x, ex.w13, ex.w2, ids=ids, wts=torch.ones(40, 1), block_m=64
         )
         ref = moe_int4_mlp_reference(x, ids, torch.ones(40, 1), ex.w13, ex.w2)
-    elif name in ("split", "split64"):
+    elif name in ("split", "split_odd", "split64"):
         if name == "split":
             res, ref = split_case(binary, workdir, 16, num_sms=8, per_sm=4)
+        elif name == "split_odd":  # 64 units over 9 CTAs: CTAs start inside items
+            res, ref = split_case(binary, workdir, 16, num_sms=3, per_sm=3, h=512, i=512)
         else:  # 8 CTAs for 4 workspace slots
             res, ref = split_case(binary, workdir, 64, num_sms=2, per_sm=4, h=512, i=256)
         check_rows(res, ref)
