@@ -10,7 +10,9 @@ the two GEMMs; everything else accumulates in fp32. Against the fp32 reference o
     max|out - ref| <= 5e-2 * max|ref| + 1e-3
 
 tests/test_quant_moe_ref.py::test_kernel_numerics_within_gpu_bound checks on the CPU that
-an emulation of exactly this rounding meets the bound.
+an emulation of exactly this rounding meets the bound. Rows with no local expert (and, in
+the expert-major layout, rows past the counts) are undefined on the GPU, as in DeepEP: only
+routed rows are compared.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from pcie_a2a.quant import (
     to_compressed_tensors,
     to_gptq,
 )
+from pcie_a2a.quant import moe as M
 
 
 def _skip_reason() -> str | None:
@@ -110,6 +113,12 @@ def check_close(out: torch.Tensor, ref: torch.Tensor) -> None:
     assert (out - ref).abs().max() <= 5e-2 * ref.abs().max() + 1e-3
 
 
+def check_rows(out: torch.Tensor, ref: torch.Tensor, ids: torch.Tensor) -> None:
+    routed = (ids.cpu() >= 0).any(1)
+    if routed.any():
+        check_close(out.cpu()[routed], ref[routed])
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("group_size", [32, 64, 128, -1])
 @pytest.mark.parametrize("fmt", ["gptq", "awq", "ct"])
@@ -119,9 +128,12 @@ def test_rows_all_formats(fmt, group_size, dtype):
     x = torch.randn(37, h, generator=gen(2)).to(dtype)
     ids, wts = routing(37, 4, e, seed=3)
     ref = moe_int4_mlp_reference(x, ids, wts, ex.w13, ex.w2)
-    for bm in (16, 64):
+    for bm in (16, 64) if fmt != "awq" else (16,):  # zero points: block_m 16 only
         out = moe_int4_mlp(x.cuda(), ids.cuda(), wts.cuda(), ex.w13, ex.w2, block_m=bm)
-        check_close(out, ref)
+        check_rows(out, ref, ids)
+    if fmt == "awq":
+        with pytest.raises(ValueError, match="not available with zero points"):
+            moe_int4_mlp(x.cuda(), ids.cuda(), wts.cuda(), ex.w13, ex.w2, block_m=64)
 
 
 @pytest.mark.parametrize("group_size", [32, 128])
@@ -133,7 +145,7 @@ def test_gptq_act_order(group_size):
     x = torch.randn(20, h, generator=gen(5)).half()
     ids, wts = routing(20, 2, e, seed=6)
     ref = moe_int4_mlp_reference(x, ids, wts, ex.w13, ex.w2)
-    check_close(moe_int4_mlp(x.cuda(), ids.cuda(), wts.cuda(), ex.w13, ex.w2), ref)
+    check_rows(moe_int4_mlp(x.cuda(), ids.cuda(), wts.cuda(), ex.w13, ex.w2), ref, ids)
 
 
 @pytest.mark.parametrize("mode", ["uniform", "skewed", "none"])
@@ -146,9 +158,8 @@ def test_expert_counts(mode, rows):
     ids, wts = routing(rows, 8, e, seed=9, mode=mode)
     ref = moe_int4_mlp_reference(x, ids, wts, ex.w13, ex.w2)
     out = moe_int4_mlp(x.cuda(), ids.cuda(), wts.cuda(), ex.w13, ex.w2)
-    check_close(out, ref)
-    if mode == "none":
-        assert torch.all(out == 0)
+    torch.cuda.synchronize()
+    check_rows(out, ref, ids)
 
 
 def test_zero_rows():
@@ -167,9 +178,8 @@ def test_expert_major(dtype):
     counts = torch.tensor([0, 24, 1, 17, 0, 3], dtype=torch.int32)
     ref = moe_int4_mlp_expert_major_reference(x, counts, ex.w13, ex.w2)
     out = moe_int4_mlp_expert_major(x.cuda(), counts.cuda(), ex.w13, ex.w2)
-    check_close(out, ref)
-    for j in range(e):
-        assert torch.all(out[j, int(counts[j]) :] == 0)
+    valid = torch.arange(cap)[None, :] < counts[:, None]
+    check_close(out.cpu()[valid], ref[valid])
 
 
 def test_kimi_k2_shape():
@@ -179,7 +189,7 @@ def test_kimi_k2_shape():
     ids = torch.tensor([[0, 1], [1, -1], [0, -1], [-1, -1], [1, 0]], dtype=torch.int32)
     wts = torch.rand(5, 2, generator=gen(15)) * (ids >= 0)
     ref = moe_int4_mlp_reference(x, ids, wts, ex.w13, ex.w2)
-    check_close(moe_int4_mlp(x.cuda(), ids.cuda(), wts.cuda(), ex.w13, ex.w2), ref)
+    check_rows(moe_int4_mlp(x.cuda(), ids.cuda(), wts.cuda(), ex.w13, ex.w2), ref, ids)
 
 
 def test_cuda_graph_capture_and_replay():
@@ -201,7 +211,7 @@ def test_cuda_graph_capture_and_replay():
         graph.replay()
         torch.cuda.synchronize()
         ref = moe_int4_mlp_reference(x.cpu(), new_ids, new_wts, ex.w13, ex.w2)
-        check_close(out, ref)
+        check_rows(out, ref, new_ids)
 
 
 @pytest.mark.parametrize("block_m", [16, 64])
@@ -214,6 +224,58 @@ def test_split_k_decode(block_m):
     ids = torch.tensor([[2, -1], [-1, -1]], dtype=torch.int32)
     wts = torch.tensor([[0.7, 0.0], [0.0, 0.0]])
     ref = moe_int4_mlp_reference(x, ids, wts, ex.w13, ex.w2)
-    for _ in range(3):  # the workspace must come back zeroed (fresh per call, but check)
+    for _ in range(3):  # the persistent workspace must come back zeroed every call
         out = moe_int4_mlp(x.cuda(), ids.cuda(), wts.cuda(), ex.w13, ex.w2, block_m=block_m)
-        check_close(out, ref)
+        check_rows(out, ref, ids)
+
+
+def test_low_latency_decode_layout():
+    """1024-row receive buffer, 5 active experts with 3 rows each, the rest -1 slots (the
+    shape gpu_check's benchmark times): block_m 16 by default, routed rows right, several
+    calls in a row (persistent workspace, finalise tickets back at zero)."""
+    e, h, i, r = 12, 1024, 512, 1024
+    ex = make_experts("ct", 32, torch.bfloat16, e, h, i, seed=30).to("cuda")
+    ids = torch.full((r, 8), -1, dtype=torch.int32)
+    for n in range(15):
+        ids[7 * n, n % 8] = n % 5
+    wts = torch.rand(r, 8, generator=gen(31)) * (ids >= 0)
+    x = torch.randn(r, h, generator=gen(32)).bfloat16()
+    ref = moe_int4_mlp_reference(x, ids, wts, ex.w13, ex.w2)
+    assert M.choose_block_m() == 16
+    for _ in range(3):
+        check_rows(moe_int4_mlp(x.cuda(), ids.cuda(), wts.cuda(), ex.w13, ex.w2), ref, ids)
+
+
+def test_prefill_block_m_from_the_estimate():
+    e, h, i = 4, 512, 256
+    ex = make_experts("gptq", 64, torch.float16, e, h, i, seed=33).to("cuda")
+    x = torch.randn(300, h, generator=gen(34)).half()
+    ids, wts = routing(300, 2, e, seed=35)
+    ref = moe_int4_mlp_reference(x, ids, wts, ex.w13, ex.w2)
+    out = moe_int4_mlp(x.cuda(), ids.cuda(), wts.cuda(), ex.w13, ex.w2, rows_per_expert=150)
+    check_rows(out, ref, ids)
+
+
+def test_invalid_ids_raise_on_the_next_call():
+    ex = make_experts("ct", 32, torch.bfloat16, 4, 128, 128, seed=36).to("cuda")
+    x = torch.randn(3, 128, generator=gen(37)).bfloat16().cuda()
+    bad = torch.tensor([[0, 7], [1, -1], [2, -3]], dtype=torch.int32).cuda()
+    wts = torch.ones(3, 2).cuda()
+    moe_int4_mlp(x, bad, wts, ex.w13, ex.w2)  # skipped on the device, flagged to the host
+    with pytest.raises(ValueError, match="row_experts: .* 2 expert ids outside"):
+        M.check_routing_errors()
+    M.check_routing_errors()  # the flag was reset: no error now
+    good = torch.tensor([[0, 1], [1, -1], [2, 3]], dtype=torch.int32).cuda()
+    moe_int4_mlp(x, good, wts, ex.w13, ex.w2)
+    M.check_routing_errors()
+
+
+def test_fp16_output_saturates_instead_of_inf():
+    ex = make_experts("ct", 32, torch.float16, 1, 256, 256, seed=38).to("cuda")
+    x = torch.full((1, 256), 8.0, dtype=torch.float16, device="cuda")
+    ids = torch.zeros(1, 1, dtype=torch.int32, device="cuda")
+    out = moe_int4_mlp(x, ids, torch.full((1, 1), 4096.0, device="cuda"), ex.w13, ex.w2)
+    ref = moe_int4_mlp_reference(x.cpu(), ids.cpu(), torch.ones(1, 1), ex.w13, ex.w2).float()
+    big = (ref * 4096).abs() > 65504
+    assert big.any() and torch.isfinite(out).all()
+    assert torch.all(out.cpu().float()[big].abs() == 65504)

@@ -9,6 +9,10 @@ epilogues. The emulated op must meet the GPU tests' error bound against the refe
 a wrong offset, group row, channel map or row index gives O(1) errors.
 
 It checks the algorithm and the index arithmetic as transcribed, not the compiled code.
+The transcription predates issue 12: its work split is the earlier whole-number split-K
+and its decode is the shift/mask form; the kernel's current stream-K partition, ldmatrix
+and Marlin-style dequant run in tests/test_quant_kernel_source_emulation.py (the source
+itself). The layout and fragment arithmetic checked here are unchanged.
 """
 
 from __future__ import annotations

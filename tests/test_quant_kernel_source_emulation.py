@@ -117,8 +117,11 @@ def run_emulated(
     offsets = offsets or {}
     workdir.mkdir(parents=True, exist_ok=True)
     expert_major = counts is not None
-    # Like _moe_int4_mlp_op / _moe_int4_mlp_expert_major_op: empty_like / zeros_like.
-    out = torch.zeros_like(x) if expert_major else _garbage(*x.shape, dtype=x.dtype)
+    # Like _moe_int4_mlp_op / _moe_int4_mlp_expert_major_op: empty_like.
+    out = _garbage(*x.shape, dtype=x.dtype)
+    ws = M.Workspace(
+        lambda *shape, dtype: torch.zeros(*shape, dtype=dtype), torch.zeros(1, dtype=torch.int32)
+    )
     fields = M._launch_fields(
         x,
         out,
@@ -128,10 +131,10 @@ def run_emulated(
         topk_ids=ids,
         topk_weights=wts,
         counts=counts,
-        block_m=block_m,
+        block_m=16 if block_m is None else block_m,
         num_sms=num_sms,
         empty=_garbage,
-        zeros=lambda *shape, dtype: torch.zeros(*shape, dtype=dtype),
+        workspace=ws,
     )
     M._check_devices(x.device, fields)
     lines, tensors = [], {}
@@ -162,6 +165,10 @@ def run_emulated(
     for name, v in tensors.items():
         data = bytearray((workdir / f"{name}.out.bin").read_bytes())[offsets.get(name, 0) :]
         res[name] = torch.frombuffer(data, dtype=torch.uint8).view(v.dtype).reshape(v.shape)
+    # The persistent scratch must be zero again for the next launch (moe_int4.cuh).
+    for name in ("split_ws", "split_cnt", "row_cnt"):
+        if name in res:
+            assert torch.all(res[name] == 0), f"{name} was not left zeroed"
     return res
 
 
@@ -177,6 +184,15 @@ def check_close(out: torch.Tensor, ref: torch.Tensor) -> None:
     assert rel < 1e-2, f"mean relative error {rel:.3e} >= 1e-2"
     worst = (out - ref).abs().max().item()
     assert worst <= 5e-2 * ref.abs().max().item() + 1e-3, f"max abs error {worst:.3e}"
+
+
+def check_rows(res: dict, ref: torch.Tensor) -> None:
+    """Rows layout: routed rows meet the bound; rows with no local expert are never written
+    (they keep the NaN fill of the empty output)."""
+    routed = (res["ids"] >= 0).any(1)
+    assert routed.any()
+    check_close(res["out"][routed], ref[routed])
+    assert torch.all(torch.isnan(res["out"][~routed].float())), "an unrouted row was written"
 
 
 def make_experts(fmt, group_size, dtype, e, h, i, seed):
@@ -251,7 +267,10 @@ def rows_case(binary, workdir, fmt, group_size, dtype, bm, *, num_sms=4, per_sm=
         ("ct", 32, torch.bfloat16, 16),
         ("ct", 32, torch.float16, 64),
         ("awq", 64, torch.float16, 16),
-        ("awq", 128, torch.bfloat16, 64),
+        ("awq", 32, torch.float16, 16),  # zero points with two groups per k-tile
+        ("awq", 32, torch.bfloat16, 16),
+        ("awq", 128, torch.bfloat16, 16),
+        ("gptq", 64, torch.bfloat16, 64),
         ("gptq", 128, torch.float16, 16),
         ("gptq", -1, torch.bfloat16, 16),
         ("ct", -1, torch.float16, 64),
@@ -261,8 +280,8 @@ def rows_case(binary, workdir, fmt, group_size, dtype, bm, *, num_sms=4, per_sm=
 )
 def test_rows_layout(emulator, tmp_path, fmt, group_size, dtype, bm):
     res, ref = rows_case(emulator, tmp_path, fmt, group_size, dtype, bm)
-    check_close(res["out"], ref)
-    assert torch.all(res["out"][2] == 0)  # the row routed nowhere
+    check_rows(res, ref)
+    assert torch.all(torch.isnan(res["out"][2]))  # the row routed nowhere: never written
     counts = torch.bincount(res["ids"][res["ids"] >= 0].long(), minlength=3)
     assert counts.min() > 8  # every expert's first tile uses mma rows 8..15
     assert res["status"].tolist()[:2] == [tiles_for(res["ids"], 3, bm), 0]
@@ -288,7 +307,8 @@ def test_skewed_duplicate_and_invalid_ids(emulator, tmp_path, bm):
     check_close(res["out"], ref)
     n1, n3 = 40, len(range(0, 40, 3)) - 1  # ids[11, 1] replaced a 3
     tiles = 1 + -(-n1 // bm) + -(-n3 // bm)  # expert 0: one tile (row 5, twice)
-    assert res["status"].tolist()[:2] == [tiles, 3]
+    assert res["status"].tolist()[:3] == [tiles, 3, 40]  # tiles, invalid ids, active rows
+    assert res["errors"].tolist() == [3]  # the host-visible flag the next call raises on
 
 
 @pytest.mark.parametrize("bm", [16, 64])
@@ -297,23 +317,26 @@ def test_no_expert_routed(emulator, tmp_path, bm):
     x = torch.randn(5, 128, generator=torch.Generator().manual_seed(6)).half()
     ids = torch.full((5, 2), -1, dtype=torch.int32)
     res = run_emulated(emulator, tmp_path, x, ex.w13, ex.w2, ids=ids, wts=torch.zeros(5, 2))
-    assert torch.all(res["out"] == 0)
-    assert res["status"].tolist()[:2] == [0, 0]
+    assert torch.all(torch.isnan(res["out"]))  # nothing routed: nothing launched or written
 
 
-@pytest.mark.parametrize(("bm", "dtype"), [(16, torch.bfloat16), (64, torch.float16)])
-def test_expert_major(emulator, tmp_path, bm, dtype):
+@pytest.mark.parametrize(
+    ("fmt", "bm", "dtype"),
+    [("awq", 16, torch.bfloat16), ("ct", 16, torch.float16), ("gptq", 64, torch.float16)],
+)
+def test_expert_major(emulator, tmp_path, fmt, bm, dtype):
     e, cap, h, i = 4, 20, 136, 72
-    ex = make_experts("awq", 64, dtype, e, h, i, seed=7)
+    ex = make_experts(fmt, 64, dtype, e, h, i, seed=7)
     x = torch.randn(e, cap, h, generator=torch.Generator().manual_seed(8)).to(dtype)
     counts = torch.tensor([2, 0, 20, 17], dtype=torch.int32)
     for j in range(e):  # like a dispatch buffer: garbage beyond each expert's count
         x[j, int(counts[j]) :] = float("nan")
     res = run_emulated(emulator, tmp_path, x, ex.w13, ex.w2, counts=counts, block_m=bm)
     out = res["out"].view_as(x)
-    check_close(out, moe_int4_mlp_expert_major_reference(x, counts, ex.w13, ex.w2))
-    for j in range(e):
-        assert torch.all(out[j, int(counts[j]) :] == 0)
+    ref = moe_int4_mlp_expert_major_reference(x, counts, ex.w13, ex.w2)
+    valid = torch.arange(cap)[None, :] < counts[:, None]
+    check_close(out[valid], ref[valid])
+    assert torch.all(torch.isnan(out[~valid]))  # rows past the counts: never written
 
 
 def test_expert_major_bad_counts_are_clamped(emulator, tmp_path):
@@ -324,13 +347,15 @@ def test_expert_major_bad_counts_are_clamped(emulator, tmp_path):
     res = run_emulated(emulator, tmp_path, x, ex.w13, ex.w2, counts=counts, block_m=16)
     clamped = torch.tensor([0, cap, 2], dtype=torch.int32)
     ref = moe_int4_mlp_expert_major_reference(x, clamped, ex.w13, ex.w2)
-    check_close(res["out"].view_as(x), ref)
+    valid = torch.arange(cap)[None, :] < clamped[:, None]
+    check_close(res["out"].view_as(x)[valid], ref[valid])
     assert res["status"].tolist()[:2] == [2, 2]
+    assert res["errors"].tolist() == [2]  # the host-visible flag
 
 
-def split_case(binary, workdir, bm, *, num_sms, per_sm, k_mult=1):
+def split_case(binary, workdir, bm, *, num_sms, per_sm, h=1024, i=512):
     """One row on one expert: few (tile, slice) items for many CTAs, so K is split."""
-    e, h, i = 2, 1024 * k_mult, 512
+    e = 2
     ex = make_experts("ct", 32, torch.bfloat16, e, h, i, seed=11)
     g = torch.Generator().manual_seed(12)
     x = torch.randn(3, h, generator=g).bfloat16()
@@ -348,23 +373,23 @@ def split_case(binary, workdir, bm, *, num_sms, per_sm, k_mult=1):
         num_sms=num_sms,
         per_sm=per_sm,
     )
+    res["ids"] = ids
     return res, moe_int4_mlp_reference(x, ids, wts, ex.w13, ex.w2)
 
 
 @pytest.mark.parametrize(
     ("bm", "num_sms", "per_sm"),
     [
-        (16, 8, 4),  # 8 gate/up items <= 16 slots, 32 CTAs: both GEMMs split 4 / 2 ways
-        (16, 2, 8),  # 8 items > 4 slots: gate/up does not split, down splits 2 ways
-        (64, 8, 2),  # no workspace at block_m 64: only the down GEMM splits
-        (16, 3, 5),  # odd CTA count: uneven K parts
+        (16, 8, 4),  # 32 CTAs: gate/up 4 items x 16 k-tiles over 16 CTAs, down over 8
+        (16, 2, 8),  # 16 CTAs, 8 workspace slots: the gate/up split is clamped to 8 CTAs
+        (64, 4, 2),  # block_m 64 splits too (its own workspace)
+        (16, 3, 5),  # odd CTA count: uneven parts that start inside items
     ],
 )
 def test_split_k(emulator, tmp_path, bm, num_sms, per_sm):
-    res, ref = split_case(emulator, tmp_path, bm, num_sms=num_sms, per_sm=per_sm)
-    check_close(res["out"], ref)
-    if "split_ws" in res:  # the workspace and tickets are left zeroed for the next launch
-        assert torch.all(res["split_ws"] == 0) and torch.all(res["split_cnt"] == 0)
+    kw = dict(h=512, i=256) if bm == 64 else {}  # (a 64-row tile emulates 4x the MMA work)
+    res, ref = split_case(emulator, tmp_path, bm, num_sms=num_sms, per_sm=per_sm, **kw)
+    check_rows(res, ref)  # (run_emulated checks that the workspace is left zeroed)
 
 
 def test_rejected_arguments_come_from_validate_h(emulator, tmp_path):
@@ -386,6 +411,18 @@ def test_rejected_arguments_come_from_validate_h(emulator, tmp_path):
         )
 
 
+def test_block_m_64_with_zero_points_is_refused(emulator, tmp_path):
+    """No 64-row zero-point instantiation: the Python side and validate.h both refuse."""
+    ex = make_experts("awq", 64, torch.float16, 2, 64, 64, seed=24)
+    x = torch.randn(2, 64).half()
+    ids = torch.zeros(2, 1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="block_m=64 is not available with zero points"):
+        run_emulated(
+            emulator, tmp_path, x, ex.w13, ex.w2, ids=ids, wts=torch.ones(2, 1), block_m=64
+        )
+    assert M.choose_block_m(500, zero_points=True) == 16
+
+
 def test_routing_slices_need_only_scalar_alignment(emulator, tmp_path):
     """Routing tensors are read as 4-byte scalars: a slice 8 bytes into an allocation (e.g.
     ids[1:] of a top-2 tensor) must run; activations are read with 16-byte cp.async and an
@@ -403,7 +440,8 @@ def test_routing_slices_need_only_scalar_alignment(emulator, tmp_path):
         wts=wts,
         offsets={"topk_ids": 8, "topk_weights": 4},
     )
-    check_close(res["out"], moe_int4_mlp_reference(x, ids, wts, ex.w13, ex.w2))
+    res["ids"] = ids
+    check_rows(res, moe_int4_mlp_reference(x, ids, wts, ex.w13, ex.w2))
     with pytest.raises(EmulatorError, match="x=0x[0-9a-f]+ is not 16-byte aligned"):
         run_emulated(
             emulator, tmp_path / "bad", x, ex.w13, ex.w2, ids=ids, wts=wts, offsets={"x": 8}
@@ -415,25 +453,35 @@ def test_routing_slices_need_only_scalar_alignment(emulator, tmp_path):
 # scenario that should expose it must then fail (wrong numbers, a fault, or a deadlock).
 MUTATIONS = [
     # B fragment: registers b0/b1 swapped (k rows 0-7 vs 8-15)
-    ("gemm_kernel.cuh", "af, b[t][0], b[t][1]", "af, b[t][1], b[t][0]", "rows16"),
-    # A fragment: a1 (row g+8) and a2 (column +8) swapped
     (
         "gemm_kernel.cuh",
-        "af[1] = *reinterpret_cast<const uint32_t*>(r1);",
-        "af[1] = *reinterpret_cast<const uint32_t*>(r0 + 8);",
+        "b[t / 2][t % 2][0], b[t / 2][t % 2][1]",
+        "b[t / 2][t % 2][1], b[t / 2][t % 2][0]",
+        "rows16",
+    ),
+    # A fragment (ldmatrix): matrices 1 (rows 8-15) and 2 (columns 8-15) swapped
+    (
+        "gemm_kernel.cuh",
+        "(lane % 16) * kARowStride + (lane / 16) * 8;",
+        "(lane % 8 + (lane / 16) * 8) * kARowStride + ((lane / 8) % 2) * 8;",
         "rows16",
     ),
     # scales: lane group offset taken from the wrong index
-    ("gemm_kernel.cuh", "warp * kTileN + 8 * g) * 2", "warp * kTileN + 8 * c) * 2", "rows16"),
-    # scales: second group row of a k-tile (group 32) ignored
-    ("gemm_kernel.cuh", "/ p.group - g0;", "/ p.group - g0 - (s / 2);", "rows16"),
-    # weights: global word of a k16 row off by one warp tile
     (
         "gemm_kernel.cuh",
-        "nb * kWarps, n_tiles, 0, 0) + w * 4",
-        "nb, n_tiles, 0, 0) + w * 4",
+        "warp * kTileN + 8 * (lane / 4)) * 2",
+        "warp * kTileN + 8 * (lane % 4)) * 2",
         "rows16",
     ),
+    # scales: second group row of a k-tile (group 32) ignored
+    (
+        "gemm_kernel.cuh",
+        "group_consts(ss, s / 2 * (kGroup32 ? 1 : 0)",
+        "group_consts(ss, 0 * (kGroup32 ? 1 : 0)",
+        "rows16",
+    ),
+    # weights: global word off by one warp tile
+    ("gemm_kernel.cuh", "(nb * kWarps * 128 + tid * 4) * 4", "(nb * 128 + tid * 4) * 4", "rows16"),
     # pipeline: waiting for one group too few (reads a stage before it lands)
     ("gemm_kernel.cuh", "cp_async_wait<kStages - 2>();", "cp_async_wait<kStages - 1>();", "rows16"),
     # SiLU epilogue pairs gate with the gate tile instead of the up tile
@@ -441,38 +489,142 @@ MUTATIONS = [
     # A rows of the second 16-row block (block_m 64) copied from the wrong rows
     (
         "gemm_kernel.cuh",
-        "threadIdx.x) / 8 + i * (kThreads / 8);",
-        "threadIdx.x) / 8 + i * 8;",
+        "i * (kThreads / 8);\n      const int32_t pair",
+        "i * 8;\n      const int32_t pair",
         "rows64",
     ),
+    # block_m 64: the A fragment of 16-row block mb read from block 0
+    ("gemm_kernel.cuh", "a_s + mb * 16 * kARowStride", "a_s", "rows64"),
     # split-K: the last part does not re-zero the workspace
     ("gemm_kernel.cuh", "__stcg(w, 0.0f);", "(void)w;", "split"),
-    # split-K: K parts drop the remainder
+    # stream-K: the owner of a unit off by one CTA (wrong part count of split items)
     (
         "gemm_kernel.cuh",
-        "kt_end = (part + 1) * k_tiles / splits;",
-        "kt_end = kt_begin + k_tiles / splits;",
+        "return ((v / gran + 1) * ctas - 1) /",
+        "return ((v / gran) * ctas) /",
+        "split_odd",
+    ),
+    # stream-K: a segment drops its last k-tile (a mutant must not hang: no change to u)
+    (
+        "gemm_kernel.cuh",
+        "for (int kt = kb; kt < ke; ++kt) {",
+        "for (int kt = kb; kt + 1 < ke; ++kt) {",
         "split_uneven",
+    ),
+    # workspace: more CTAs than slots (slot index past the workspace)
+    (
+        "gemm_kernel.cuh",
+        "grid > p.ws_items) grid = p.ws_items;",
+        "grid > p.ws_items) grid = grid;",
+        "split64",
+    ),
+    # expert-major: split items stored without reduction
+    (
+        "gemm_kernel.cuh",
+        "needs_ws = p.epilogue != Epilogue::kWeightedAtomic;",
+        "needs_ws = p.epilogue == Epilogue::kSiluMulStore;",
+        "em_split",
+    ),
+    # zero points ignored (the symmetric 8 is not subtracted either)
+    ("gemm_kernel.cuh", "zlo[t] = __hadd2(magic, z);", "zlo[t] = magic;", "zp"),
+    # fp16 odd nibbles: the 1/16 of the in-place high nibble dropped
+    ("gemm_kernel.cuh", "fma2(hi, sixteenth, zhi[t])", "__hadd2(hi, zhi[t])", "rows16_fp16"),
+    # group 128: shift of the group index off by one (group taken as 64)
+    ("moe_int4.cuh", "while ((1 << s) < group) ++s;", "while ((1 << s) < group / 2) ++s;", "zp"),
+    # finalise: a (row, column block) converted one k-tile before it is complete
+    (
+        "gemm_kernel.cuh",
+        "p.row_pairs[orow] * (p.k_pad / kBlockK);",
+        "p.row_pairs[orow] * (p.k_pad / kBlockK) - 1;",
+        "split",
+    ),
+    # zeroing: only half of the active rows' accumulator zeroed
+    (
+        "gemm_kernel.cuh",
+        "i < n;\n         i += static_cast<int64_t>(gridDim.x)",
+        "i < n / 2;\n         i += static_cast<int64_t>(gridDim.x)",
+        "rows16",
+    ),
+    # act-order: A gathered through the permutation shifted by one column
+    (
+        "schedule.cuh",
+        "const int32_t c = pe[i % k_pad];",
+        "const int32_t c = pe[(i + 1) % k_pad];",
+        "act",
+    ),
+    # fp16 outputs not saturated (inf instead of 65504)
+    (
+        "gemm_kernel.cuh",
+        "return from_float2(sat(a), sat(b));",
+        "return from_float2(a, b);",
+        "fp16_sat",
     ),
     # schedule: the last tile of an expert claims a full block_m rows
     ("schedule.cuh", "min(block_m, cnt[e] - start)", "block_m", "rows16"),
 ]
 
 
+def fp16_overflow_case(binary, workdir):
+    """fp16 outputs beyond 65504 must saturate, not become inf (one row, large weights)."""
+    ex = make_experts("ct", 32, torch.float16, 1, 256, 256, seed=21)
+    x = torch.full((1, 256), 8.0).half()
+    ids, wts = torch.zeros(1, 1, dtype=torch.int32), torch.full((1, 1), 4096.0)
+    res = run_emulated(binary, workdir, x, ex.w13, ex.w2, ids=ids, wts=wts)
+    ref = moe_int4_mlp_reference(x, ids, torch.ones(1, 1), ex.w13, ex.w2).float() * 4096.0
+    big = ref.abs() > 65504
+    assert big.any(), "the case must overflow fp16"
+    out = res["out"].float()
+    assert torch.isfinite(out).all(), "fp16 overflow gave inf"
+    assert torch.all(out[big].abs() == 65504)
+
+
+def expert_major_split_case(binary, workdir):
+    """Expert-major, one row on one expert, many CTAs: the store epilogue's items split."""
+    e, cap, h, i = 2, 3, 1024, 512
+    ex = make_experts("ct", 32, torch.bfloat16, e, h, i, seed=22)
+    x = torch.randn(e, cap, h, generator=torch.Generator().manual_seed(23)).bfloat16()
+    counts = torch.tensor([1, 0], dtype=torch.int32)
+    res = run_emulated(binary, workdir, x, ex.w13, ex.w2, counts=counts, num_sms=8, per_sm=4)
+    ref = moe_int4_mlp_expert_major_reference(x, counts, ex.w13, ex.w2)
+    check_close(res["out"].view_as(x)[0, :1], ref[0, :1])
+
+
 def _scenario(binary, workdir, name):
-    if name == "rows16":
-        res, ref = rows_case(binary, workdir, "ct", 32, torch.bfloat16, 16)
-    elif name == "rows64":
+    if name in ("rows16", "rows16_fp16", "zp", "act"):
+        fmt, group, dtype = {
+            "rows16": ("ct", 32, torch.bfloat16),
+            "rows16_fp16": ("ct", 32, torch.float16),
+            "zp": ("awq", 128, torch.bfloat16),
+            "act": ("gptq-act", 32, torch.float16),
+        }[name]
+        res, ref = rows_case(binary, workdir, fmt, group, dtype, 16)
+        check_rows(res, ref)
+        return
+    if name == "rows64":
         e, h, i = 2, 128, 128
         ex = make_experts("ct", 64, torch.bfloat16, e, h, i, seed=14)
         x = torch.randn(40, h, generator=torch.Generator().manual_seed(15)).bfloat16()
         ids = torch.zeros(40, 1, dtype=torch.int32)
-        res = run_emulated(binary, workdir, x, ex.w13, ex.w2, ids=ids, wts=torch.ones(40, 1))
+        res = run_emulated(
+            binary, workdir, x, ex.w13, ex.w2, ids=ids, wts=torch.ones(40, 1), block_m=64
+        )
         ref = moe_int4_mlp_reference(x, ids, torch.ones(40, 1), ex.w13, ex.w2)
-    elif name == "split":
-        res, ref = split_case(binary, workdir, 16, num_sms=8, per_sm=4)
-        assert torch.all(res["split_ws"] == 0)
-    else:  # w13 K = 1152: 18 k-tiles in 4 parts (4, 5, 4, 5)
+    elif name in ("split", "split_odd", "split64"):
+        if name == "split":
+            res, ref = split_case(binary, workdir, 16, num_sms=8, per_sm=4)
+        elif name == "split_odd":  # 64 units over 9 CTAs: CTAs start inside items
+            res, ref = split_case(binary, workdir, 16, num_sms=3, per_sm=3, h=512, i=512)
+        else:  # 8 CTAs for 4 workspace slots
+            res, ref = split_case(binary, workdir, 64, num_sms=2, per_sm=4, h=512, i=256)
+        check_rows(res, ref)
+        return
+    elif name == "em_split":
+        expert_major_split_case(binary, workdir)
+        return
+    elif name == "fp16_sat":
+        fp16_overflow_case(binary, workdir)
+        return
+    else:  # w13 K = 1152: 18 k-tiles; 16 items of gate/up over 3 CTAs -> uneven parts
         e, h, i = 1, 1152, 256
         ex = make_experts("ct", 32, torch.bfloat16, e, h, i, seed=16)
         x = torch.randn(1, h, generator=torch.Generator().manual_seed(17)).bfloat16()
@@ -482,7 +634,10 @@ def _scenario(binary, workdir, name):
     check_close(res["out"], ref)
 
 
-@pytest.mark.parametrize("scenario", ["rows16", "rows64", "split", "split_uneven"])
+SCENARIOS = sorted({m[3] for m in MUTATIONS})
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
 def test_mutation_scenarios_pass_on_the_real_kernel(emulator, tmp_path, scenario):
     _scenario(emulator, tmp_path, scenario)
 
@@ -513,5 +668,6 @@ def test_emulated_sources_are_the_kernel():
     emu_ops = (EMU / "override" / "cuda" / "moe_int4" / "device_ops.cuh").read_text()
     real_ops = (CSRC / "cuda" / "moe_int4" / "device_ops.cuh").read_text()
     names = ("dynamic_smem", "lop3_and_or", "cp_async16", "cp_async_commit", "cp_async_wait")
-    for fn in (*names, "mma_16816"):
+    extra = ("prmt", "fma2", "ldmatrix_x4", "grid_dependency_wait", "grid_dependency_launch")
+    for fn in (*names, *extra, "mma_16816"):
         assert re.search(rf"\b{fn}\b", real_ops) and re.search(rf"\b{fn}\b", emu_ops), fn

@@ -81,6 +81,9 @@ def _args(**kw):
         pair_w=4096,
         tiles=4096,
         status=4096,
+        row_pairs=4096,
+        active_rows=4096,
+        row_cnt=4096,
         max_pairs=16,
         max_tiles=6,
     )
@@ -106,7 +109,11 @@ def _args(**kw):
         (dict(h_stride=64), r"h_stride=64 must equal w13 n_pad / 2 \(128\)"),
         (dict(max_pairs=15), r"max_pairs=15 is below the number of .* pairs 16"),
         (dict(max_tiles=5), r"max_tiles=5; need >= num_experts \+ pairs / block_m \+ 1 = 6"),
-        (dict(max_splits=0), r"max_splits=0; allowed: 1..64"),
+        (dict(split_k=2), r"split_k=2; allowed: 0, 1"),
+        (dict(block_m=64, w2_zeros=4096), r"block_m=64 is not available with zero points"),
+        (dict(row_cnt=0), r"row_cnt is null"),
+        (dict(errors=4098), r"errors=0x1002 is not 4-byte aligned"),
+        (dict(x_perm=4096), r"x_perm_buf is null"),
         (
             dict(split_ws=4096, split_cnt=4096, ws_items=0),
             r"ws_items=0; must be >= 1 when split_ws is given",
@@ -149,7 +156,7 @@ def test_launch_fields_are_binding_args(expert_major):
         block_m=None,
         num_sms=4,
         empty=lambda *s, dtype: torch.empty(*s, dtype=dtype),
-        zeros=lambda *s, dtype: torch.zeros(*s, dtype=dtype),
+        workspace=M.Workspace(lambda *s, dtype: torch.zeros(*s, dtype=dtype), torch.zeros(1)),
         **io,
     )
     a = mi.Args()
@@ -157,3 +164,15 @@ def test_launch_fields_are_binding_args(expert_major):
         assert hasattr(a, name), name
         setattr(a, name, v.data_ptr() if isinstance(v, torch.Tensor) else (v or 0))
     assert a.expert_major is expert_major and a.block_m == 16 and a.h_stride == 128
+
+
+def test_partition_matches_the_grid_model():
+    """The kernel's stream-K partition (gemm_kernel.cuh) is the grid model's."""
+    from pcie_a2a.quant import grid_model as G
+
+    for items, k_tiles, grid, split in [(16, 112, 376, True), (7, 18, 12, True), (3, 18, 2, False)]:
+        ctas, begins, owners = mi.partition(items, k_tiles, grid, split)
+        pt = G.make_partition(items, k_tiles, grid, split)
+        assert ctas == pt.ctas
+        assert begins == [pt.begin(b) for b in range(pt.ctas + 1)]
+        assert owners == [pt.owner(v) for v in range(pt.units)]

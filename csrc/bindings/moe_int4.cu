@@ -8,6 +8,7 @@
 
 #include "bindings/python_errors.h"
 #include "core/exception.h"
+#include "cuda/moe_int4/gemm_kernel.cuh"
 #include "cuda/moe_int4/layout.h"
 #include "cuda/moe_int4/moe_int4.cuh"
 
@@ -49,6 +50,7 @@ PYBIND11_MODULE(_moe_int4, m) {
   PA2A_FIELD(w2_group);
   PA2A_FIELD(w2_num_groups);
   PA2A_FIELD(x_perm);
+  PA2A_FIELD(x_perm_buf);
   PA2A_FIELD(h_perm);
   PA2A_FIELD(h_stride);
   PA2A_FIELD(pair_src);
@@ -56,10 +58,14 @@ PYBIND11_MODULE(_moe_int4, m) {
   PA2A_FIELD(tiles);
   PA2A_FIELD(status);
   PA2A_FIELD(h);
+  PA2A_FIELD(row_pairs);
+  PA2A_FIELD(active_rows);
   PA2A_FIELD(split_ws);
   PA2A_FIELD(split_cnt);
   PA2A_FIELD(ws_items);
-  PA2A_FIELD(max_splits);
+  PA2A_FIELD(row_cnt);
+  PA2A_FIELD(errors);
+  PA2A_FIELD(split_k);
   PA2A_FIELD(max_pairs);
   PA2A_FIELD(max_tiles);
   PA2A_FIELD(block_m);
@@ -68,8 +74,8 @@ PYBIND11_MODULE(_moe_int4, m) {
 #undef PA2A_FIELD
 
   m.def("run", &mi::moe_int4_run, py::arg("args"),
-        "Launch schedule, gate/up GEMM (+SiLU*up), down GEMM (+weight, row sum) and the "
-        "cast on args.stream; never synchronises");
+        "Launch schedule, gate/up GEMM (+SiLU*up), down GEMM (+weight, row sum, cast) on "
+        "args.stream; never synchronises");
   m.def("gemm_smem_bytes", &mi::gemm_smem_bytes, py::arg("block_m"),
         "Dynamic shared memory of one GEMM CTA");
   m.attr("TILE_K") = mi::kTileK;
@@ -78,6 +84,9 @@ PYBIND11_MODULE(_moe_int4, m) {
   m.attr("PAD_N") = mi::kPadN;
   m.attr("GATE_UP_BLOCK") = mi::kGateUpBlock;
   m.attr("MAX_EXPERTS") = mi::kMaxExperts;
+  m.attr("MIN_PART_K_TILES") = mi::kMinPartKTiles;
+  m.attr("STAGES") = mi::kStages;
+  m.attr("THREADS") = mi::kThreads;
   m.def(
       "nibble_source",
       [](int lane, int j, int p) {
@@ -88,5 +97,17 @@ PYBIND11_MODULE(_moe_int4, m) {
       py::arg("lane"), py::arg("word"), py::arg("nibble"),
       "(k, n) inside the 16x64 tile of nibble p of word j of lane (layout.h)");
   m.def("scale_position", &mi::scale_position, py::arg("col"));
+  m.def(
+      "partition",
+      [](int64_t items, int k_tiles, int64_t grid, bool splittable) {
+        const mi::Partition pt = mi::make_partition(items, k_tiles, grid, splittable);
+        py::list begins, owners;
+        for (int64_t b = 0; b <= pt.ctas; ++b) begins.append(pt.begin(b));
+        for (int64_t v = 0; v < pt.units; ++v) owners.append(pt.owner(v));
+        return py::make_tuple(pt.ctas, begins, owners);
+      },
+      py::arg("items"), py::arg("k_tiles"), py::arg("grid"), py::arg("splittable"),
+      "The GEMM's stream-K partition: (CTAs, first unit of each CTA and the end, owner of "
+      "each unit)");
   m.def("gate_up_channel", &mi::gate_up_channel, py::arg("n0"), py::arg("col"));
 }

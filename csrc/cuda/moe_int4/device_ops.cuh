@@ -1,10 +1,10 @@
 // The device primitives the INT4 GEMM is written against: inline PTX (cp.async, lop3,
-// mma.sync) and the dynamic shared memory. Everything else in gemm_kernel.cuh and
-// schedule.cuh is plain C++ over these functions, so tests/native/moe_int4_emu/ can
-// substitute a host implementation of exactly this header (one fiber per CUDA thread,
-// cp.async groups that land only at wait_group, the warp-collective mma built from the
-// PTX fragment tables) and run the kernel source on the CPU. Keep every PTX statement of
-// the GEMM here, with the same signatures as the emulation's copy.
+// prmt, ldmatrix, mma.sync, griddepcontrol), the paired fma and the dynamic shared memory.
+// Everything else in gemm_kernel.cuh and schedule.cuh is plain C++ over these functions, so
+// tests/native/moe_int4_emu/ can substitute a host implementation of exactly this header (one fiber
+// per CUDA thread, cp.async groups that land only at wait_group, the warp-collective mma built from
+// the PTX fragment tables) and run the kernel source on the CPU. Keep every PTX statement of the
+// GEMM here, with the same signatures as the emulation's copy.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -25,6 +25,52 @@ __device__ __forceinline__ uint32_t lop3_and_or(uint32_t a, uint32_t b, uint32_t
   uint32_t d;
   asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
   return d;
+}
+
+// Byte permute (one PRMT): selector nibbles pick bytes of {b, a}; 0x1010 broadcasts the low
+// 16-bit half of a to both halves, 0x3232 the high half.
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t sel) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, 0, %2;\n" : "=r"(d) : "r"(a), "r"(sel));
+  return d;
+}
+
+// d = a * b + c on a pair, rounded once (HFMA2).
+__device__ __forceinline__ __nv_bfloat162 fma2(__nv_bfloat162 a, __nv_bfloat162 b,
+                                               __nv_bfloat162 c) {
+  return __hfma2(a, b, c);
+}
+__device__ __forceinline__ __half2 fma2(__half2 a, __half2 b, __half2 c) {
+  return __hfma2(a, b, c);
+}
+
+// Four 8x8 16-bit matrices from shared memory, one per register (ldmatrix.x4): lane l gives
+// the 16-byte row address of row l % 8 of matrix l / 8; register j of lane t receives
+// elements 2 (t % 4), +1 of row t / 4 of matrix j. Rows must be 16-byte aligned.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem_row) {
+  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem_row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(s));
+}
+
+// Programmatic dependent launch: wait until the preceding kernel of the stream has
+// completed and its memory is visible. Kernels launched with the programmatic
+// serialization attribute (sm_90 and newer) start early and block here; without the
+// attribute (and before sm_90) it returns at once.
+__device__ __forceinline__ void grid_dependency_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+// Let the next kernel of the stream launch now: its CTAs become resident as this grid's
+// CTAs exit and wait in grid_dependency_wait() for this grid to complete, so only the
+// launch latency overlaps; correctness never depends on where this is called.
+__device__ __forceinline__ void grid_dependency_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
 }
 
 // 16 bytes global -> shared, asynchronous; pred false: fill with zeros, read nothing.

@@ -1,15 +1,17 @@
-// INT4 MoE: the launch sequence. The schedule and finalize kernels live in schedule.cuh,
+// INT4 MoE: the launch sequence. The schedule and permute kernels live in schedule.cuh,
 // the argument checks in validate.h, the GEMM template in gemm_kernel.cuh (its launch in
-// gemm_launch.cuh, instantiated in gen/ by scripts/generate_moe_int4_kernels.py from a
-// pruned list).
+// gemm_launch.cuh, instantiated in gen/ by scripts/generate_moe_int4_kernels.py).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <array>
 #include <cstdint>
+#include <mutex>
 
 #include "core/exception.h"
 #include "cuda/moe_int4/gemm_kernel.cuh"
+#include "cuda/moe_int4/gemm_launch.cuh"
 #include "cuda/moe_int4/moe_int4.cuh"
 #include "cuda/moe_int4/schedule.cuh"
 #include "cuda/moe_int4/validate.h"
@@ -20,44 +22,76 @@ namespace pa2a::moe_int4 {
 
 namespace {
 
-void check_launch(const char* what) {
-  const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess)
-    PA2A_THROW(kRuntime, "moe_int4 ", what, " launch failed: ", cudaGetErrorName(err), ": ",
-               cudaGetErrorString(err));
-}
-
 void check_cuda(cudaError_t err, const char* what) {
   if (err != cudaSuccess)
     PA2A_THROW(kRuntime, "moe_int4: ", what, ": ", cudaGetErrorName(err), ": ",
                cudaGetErrorString(err));
 }
 
-template <typename T>
-void run_typed(const MoeInt4Args& a, int num_sms, cudaStream_t stream) {
-  const GemmParams g1 = gate_up_params(a);
-  const GemmParams g2 = down_params(a);
+struct DeviceInfo {
+  int num_sms = 0, smem_optin = 0, major = 0;
+};
 
-  auto gemm = [&](const GemmParams& p) {
-    if (a.block_m == 16) {
-      launch_gemm<T, 16>(p, num_sms, stream);
-    } else {
-      launch_gemm<T, 64>(p, num_sms, stream);
-    }
-  };
-  gemm(g1);
-  if (!a.expert_major) {
-    check_cuda(cudaMemsetAsync(reinterpret_cast<void*>(a.acc), 0,
-                               static_cast<size_t>(a.num_rows) * a.hidden * sizeof(float), stream),
-               "zeroing the fp32 row accumulator");
+// Device attributes, queried once per device (they cannot change while the process runs).
+DeviceInfo device_info(int device) {
+  static std::mutex mu;
+  static std::array<DeviceInfo, kMaxDevices> cache{};
+  PA2A_CHECK_ARG(device >= 0 && device < kMaxDevices, "moe_int4: device=", device, "; allowed: 0..",
+                 kMaxDevices - 1);
+  std::lock_guard<std::mutex> lock(mu);
+  DeviceInfo& d = cache[device];
+  if (d.num_sms == 0) {
+    check_cuda(
+        cudaDeviceGetAttribute(&d.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
+        "querying the shared memory per block");
+    check_cuda(cudaDeviceGetAttribute(&d.major, cudaDevAttrComputeCapabilityMajor, device),
+               "querying the compute capability");
+    check_cuda(cudaDeviceGetAttribute(&d.num_sms, cudaDevAttrMultiProcessorCount, device),
+               "querying the SM count");
   }
-  gemm(g2);
-  if (!a.expert_major) {
-    const int64_t n = a.num_rows * a.hidden;
-    const int64_t blocks = (n + 255) / 256 < 4L * num_sms ? (n + 255) / 256 : 4L * num_sms;
-    finalize_kernel<T><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(
-        reinterpret_cast<const float*>(a.acc), reinterpret_cast<T*>(a.out), n);
-    check_launch("finalize");
+  return d;
+}
+
+// One GEMM launch: the instantiation for the operand's variant (gemm_variant).
+template <typename T, int kBlockM>
+void gemm_m(const GemmParams& p, const LaunchContext& ctx) {
+  const GemmVariant v = gemm_variant(p, kBlockM);
+  if constexpr (kBlockM != 16) {  // no zero-point instantiation (check_args refuses it)
+    if (v.group32) {
+      launch_gemm<T, kBlockM, false, true>(p, ctx);
+    } else {
+      launch_gemm<T, kBlockM, false, false>(p, ctx);
+    }
+  } else if (v.zeros) {
+    if (v.group32) {
+      launch_gemm<T, kBlockM, true, true>(p, ctx);
+    } else {
+      launch_gemm<T, kBlockM, true, false>(p, ctx);
+    }
+  } else if (v.group32) {
+    launch_gemm<T, kBlockM, false, true>(p, ctx);
+  } else {
+    launch_gemm<T, kBlockM, false, false>(p, ctx);
+  }
+}
+
+template <typename T>
+void run_typed(const MoeInt4Args& a, const LaunchContext& ctx) {
+  if (a.x_perm != 0) {
+    const int64_t grid = a.max_tiles < 4L * ctx.num_sms ? a.max_tiles : 4L * ctx.num_sms;
+    launch_kernel("permute", permute_rows_kernel<T>, grid, 256, 0, ctx,
+                  reinterpret_cast<const T*>(a.x), static_cast<int64_t>(a.hidden),
+                  reinterpret_cast<const int32_t*>(a.x_perm), a.w13_k_pad,
+                  reinterpret_cast<const int32_t*>(a.tiles),
+                  reinterpret_cast<const int32_t*>(a.status), a.max_tiles,
+                  reinterpret_cast<const int32_t*>(a.pair_src), reinterpret_cast<T*>(a.x_perm_buf));
+  }
+  for (const GemmParams& p : {gate_up_params(a), down_params(a)}) {
+    if (a.block_m == 16) {
+      gemm_m<T, 16>(p, ctx);
+    } else {
+      gemm_m<T, 64>(p, ctx);
+    }
   }
 }
 
@@ -76,38 +110,44 @@ void moe_int4_run(const MoeInt4Args& a) {
   check_cuda(cudaGetDevice(&prev_device), "cudaGetDevice");
   struct DeviceGuard {
     int prev;
-    ~DeviceGuard() { (void)cudaSetDevice(prev); }
-  } guard{prev_device};
-  check_cuda(cudaSetDevice(a.device), "cudaSetDevice");
-  int num_sms = 0, smem_optin = 0;
-  check_cuda(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, a.device),
-             "querying the SM count");
-  check_cuda(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, a.device),
-             "querying the shared memory per block");
+    bool restore;
+    ~DeviceGuard() {
+      if (restore) (void)cudaSetDevice(prev);
+    }
+  } guard{prev_device, prev_device != a.device};
+  if (guard.restore) check_cuda(cudaSetDevice(a.device), "cudaSetDevice");
+  const DeviceInfo dev = device_info(a.device);
   const int smem = gemm_smem_bytes(a.block_m);
-  PA2A_CHECK_ARG(smem <= smem_optin, "moe_int4: block_m=", a.block_m, " needs ", smem,
-                 " bytes of shared memory per block; this device allows ", smem_optin,
+  PA2A_CHECK_ARG(smem <= dev.smem_optin, "moe_int4: block_m=", a.block_m, " needs ", smem,
+                 " bytes of shared memory per block; this device allows ", dev.smem_optin,
                  "; use block_m=16");
-  const auto stream = reinterpret_cast<cudaStream_t>(a.stream);
-  if (pairs == 0) return;  // nothing routed here; expert-major output stays as given
+  if (pairs == 0) return;  // nothing routed here; the output stays as given
+  LaunchContext ctx;
+  ctx.device = a.device;
+  ctx.num_sms = dev.num_sms;
+  ctx.pdl = dev.major >= 9;
+  ctx.stream = reinterpret_cast<cudaStream_t>(a.stream);
 
+  auto* status = reinterpret_cast<int32_t*>(a.status);
+  auto* errors = reinterpret_cast<int32_t*>(a.errors);
   if (a.expert_major) {
-    schedule_expert_major_kernel<<<1, kScheduleThreads, 0, stream>>>(
-        reinterpret_cast<const int32_t*>(a.counts), a.capacity, a.num_experts, a.block_m,
-        reinterpret_cast<int32_t*>(a.pair_src), reinterpret_cast<float*>(a.pair_w),
-        reinterpret_cast<int32_t*>(a.tiles), reinterpret_cast<int32_t*>(a.status), a.max_tiles);
+    launch_kernel("schedule", schedule_expert_major_kernel, 1, kScheduleThreads, 0, ctx,
+                  reinterpret_cast<const int32_t*>(a.counts), a.capacity, a.num_experts, a.block_m,
+                  reinterpret_cast<int32_t*>(a.pair_src), reinterpret_cast<float*>(a.pair_w),
+                  reinterpret_cast<int32_t*>(a.tiles), status, a.max_tiles, errors);
   } else {
-    schedule_rows_kernel<<<1, kScheduleThreads, 0, stream>>>(
-        reinterpret_cast<const int32_t*>(a.topk_ids),
-        reinterpret_cast<const float*>(a.topk_weights), a.num_rows, a.num_topk, a.num_experts,
-        a.block_m, reinterpret_cast<int32_t*>(a.pair_src), reinterpret_cast<float*>(a.pair_w),
-        reinterpret_cast<int32_t*>(a.tiles), reinterpret_cast<int32_t*>(a.status), a.max_tiles);
+    launch_kernel("schedule", schedule_rows_kernel, 1, kScheduleThreads, 0, ctx,
+                  reinterpret_cast<const int32_t*>(a.topk_ids),
+                  reinterpret_cast<const float*>(a.topk_weights), a.num_rows, a.num_topk,
+                  a.num_experts, a.block_m, reinterpret_cast<int32_t*>(a.pair_src),
+                  reinterpret_cast<float*>(a.pair_w), reinterpret_cast<int32_t*>(a.tiles), status,
+                  a.max_tiles, reinterpret_cast<int32_t*>(a.row_pairs),
+                  reinterpret_cast<int32_t*>(a.active_rows), errors);
   }
-  check_launch("schedule");
   if (a.dtype == 0) {
-    run_typed<__nv_bfloat16>(a, num_sms, stream);
+    run_typed<__nv_bfloat16>(a, ctx);
   } else {
-    run_typed<__half>(a, num_sms, stream);
+    run_typed<__half>(a, ctx);
   }
 }
 

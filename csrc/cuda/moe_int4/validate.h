@@ -68,8 +68,16 @@ inline int64_t check_args(const MoeInt4Args& a) {
   check_ptr(a.pair_w, "pair_w");
   check_ptr(a.tiles, "tiles");
   check_ptr(a.status, "status");
-  PA2A_CHECK_ARG(a.max_splits >= 1 && a.max_splits <= 64, "moe_int4: max_splits=", a.max_splits,
-                 "; allowed: 1..64");
+  PA2A_CHECK_ARG(a.block_m == 16 || (a.w13_zeros == 0 && a.w2_zeros == 0),
+                 "moe_int4: block_m=", a.block_m,
+                 " is not available with zero points (asymmetric GPTQ, AWQ); use block_m=16");
+  PA2A_CHECK_ARG(a.split_k == 0 || a.split_k == 1, "moe_int4: split_k=", a.split_k,
+                 "; allowed: 0, 1");
+  check_ptr(a.errors, "errors", false, 4);
+  if (a.x_perm != 0) {
+    check_ptr(a.x_perm, "x_perm", true, 4);
+    check_ptr(a.x_perm_buf, "x_perm_buf");
+  }
   if (a.split_ws != 0) {
     check_ptr(a.split_ws, "split_ws");
     check_ptr(a.split_cnt, "split_cnt");
@@ -87,6 +95,9 @@ inline int64_t check_args(const MoeInt4Args& a) {
     check_ptr(a.topk_ids, "topk_ids", true, 4);
     check_ptr(a.topk_weights, "topk_weights", true, 4);
     check_ptr(a.acc, "acc");
+    check_ptr(a.row_pairs, "row_pairs", true, 4);
+    check_ptr(a.active_rows, "active_rows", true, 4);
+    check_ptr(a.row_cnt, "row_cnt", true, 4);
     PA2A_CHECK_ARG(a.num_topk >= 1, "moe_int4: num_topk=", a.num_topk, "; must be >= 1");
     pairs = a.num_rows * a.num_topk;
   }

@@ -10,7 +10,9 @@ topk_weights)`` with the dispatch row semantics of :class:`pcie_a2a.Buffer`::
     MLP_e(v) = down_e(silu(gate_e(v)) * up_e(v))
 
 Rows without any expert (all ids -1; e.g. the unused capacity of a low-latency receive)
-give zero rows and their contents are never read.
+are never read; their output is undefined (the INT4 CUDA kernel does not write them, as
+in DeepEP; the dense experts and the CPU reference give zeros). ``rows_per_expert`` is an
+optional host-side estimate of the rows per active expert (it may pick a larger tile).
 """
 
 from __future__ import annotations
@@ -38,7 +40,12 @@ class Experts(nn.Module):
     format: str = "?"
 
     def forward_rows(
-        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+        self,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        *,
+        rows_per_expert: float | None = None,
     ) -> torch.Tensor:
         """``x [R, H]``, ``topk_ids [R, K]`` local ids (-1 = none), ``topk_weights [R, K]``
         fp32 -> ``[R, H]`` in ``x.dtype``, weighted and summed over each row's experts."""
@@ -134,7 +141,7 @@ class BF16Experts(Experts):
             self.w13[local, i:].copy_(up)
             self.w2[local].copy_(down)
 
-    def forward_rows(self, x, topk_ids, topk_weights):
+    def forward_rows(self, x, topk_ids, topk_weights, *, rows_per_expert=None):
         self._check_rows(x, topk_ids, topk_weights)
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         ids = topk_ids.long()
@@ -171,7 +178,7 @@ class Int4Experts(Experts):
         self.packed = self.packed.to(device)
         return super()._apply(fn, recurse)
 
-    def forward_rows(self, x, topk_ids, topk_weights):
+    def forward_rows(self, x, topk_ids, topk_weights, *, rows_per_expert=None):
         self._check_rows(x, topk_ids, topk_weights)
         return moe_int4_mlp(
             x,
@@ -179,6 +186,7 @@ class Int4Experts(Experts):
             topk_weights.contiguous(),
             self.packed.w13,
             self.packed.w2,
+            rows_per_expert=rows_per_expert,
         )
 
 

@@ -308,7 +308,12 @@ class MoE(nn.Module):
         for c in range(chunks):
             sl = slice(c * cap, (c + 1) * cap)  # empty on ranks with fewer tokens
             recv = buf.dispatch(x[sl], ids[sl], weights[sl])
-            y = self.experts.forward_rows(recv.x, recv.topk_ids, recv.topk_weights)
+            # Every received row has a local expert: rows / experts is a lower bound of the
+            # rows per active expert (the low-latency path keeps the default tile).
+            rpe = recv.x.shape[0] / max(1, self.experts.num_local_experts)
+            y = self.experts.forward_rows(
+                recv.x, recv.topk_ids, recv.topk_weights, rows_per_expert=rpe
+            )
             outs.append(buf.combine(y.contiguous(), recv.handle))
         return outs[0] if chunks == 1 else torch.cat(outs)
 

@@ -33,6 +33,7 @@ from .layout import (
     pack_int4,
 )
 from .moe import (
+    check_routing_errors,
     moe_int4_mlp,
     moe_int4_mlp_expert_major,
     moe_int4_mlp_expert_major_reference,
@@ -46,6 +47,7 @@ __all__ = [
     "PackedInt4Experts",
     "PackedInt4Weight",
     "cat_packed",
+    "check_routing_errors",
     "concat_gate_up",
     "dequantize_awq",
     "dequantize_compressed_tensors",

@@ -9,9 +9,12 @@ Rows layout (what dispatch delivers on one rank; see DESIGN.md section 4)::
     MLP_e(x) = down_e(silu(gate_e(x)) * up_e(x))
 
 The output is already weighted and summed over this rank's experts, so it goes straight
-into combine. Expert-major layout (DeepEP low-latency style): ``x [E, capacity, H]`` plus
-``counts [E]``; the output ``[E, capacity, H]`` holds unweighted expert outputs and rows
-``>= counts[e]`` are zero.
+into combine. Rows that have no local expert (all ids -1, e.g. the unused capacity of a
+low-latency receive buffer) are not written by the CUDA kernel: their contents are
+undefined, as in DeepEP (zeroing them would cost more than the MLP at decode sizes); the
+CPU reference returns zeros there. Expert-major layout (DeepEP low-latency style):
+``x [E, capacity, H]`` plus ``counts [E]``; the output ``[E, capacity, H]`` holds unweighted
+expert outputs and rows ``>= counts[e]`` are undefined (zero on the CPU reference).
 
 :func:`moe_int4_mlp_reference` dequantises (through the lane emulation of the packed
 layout, so the reference also checks the layout) and runs fp32 matmuls: it is the oracle
@@ -120,7 +123,12 @@ def moe_int4_mlp_expert_major_reference(
 # ---- the CUDA op -------------------------------------------------------------------------
 
 BLOCK_M_CHOICES = (16, 64)
-MAX_SPLITS = 16  # split-K parts per output tile when there are fewer tiles than CTAs
+# Rows per active expert from which the 64-row tile pays: below it a 64-row tile would
+# run mostly padding rows through the MMA, and a 16-row tile serves any count anyway.
+BLOCK_M_64_MIN_ROWS = 48
+# Most CTAs of one GEMM per SM on any target (kBlockM 16: 4 on sm_90; 64: 2), i.e. the
+# split-K workspace slots per SM; the kernel clamps its use to the slots it is given.
+WS_SLOTS_PER_SM = {16: 4, 64: 2}
 
 
 def _native():
@@ -134,12 +142,95 @@ def _native():
     return _moe_int4
 
 
-def choose_block_m(pairs_upper_bound: int, num_experts: int) -> int:
+def choose_block_m(rows_per_expert: float | None = None, zero_points: bool = False) -> int:
     """Rows per tile, chosen on the host without reading counts (no device sync).
 
-    Decode (on average at most 16 rows per expert) takes the small-M tile.
+    16 unless the caller gives a real estimate of the rows per active expert of at least
+    ``BLOCK_M_64_MIN_ROWS`` (prefill): the size of a receive buffer is no estimate (a
+    low-latency buffer is mostly ``-1`` slots), and 16-row tiles serve any count. Weights
+    with zero points (asymmetric GPTQ, AWQ) always take 16 (there is no 64-row variant).
     """
-    return 16 if pairs_upper_bound <= 16 * max(1, num_experts) else 64
+    if zero_points:
+        return 16
+    if rows_per_expert is not None and rows_per_expert >= BLOCK_M_64_MIN_ROWS:
+        return 64
+    return 16
+
+
+class Workspace:
+    """Scratch that outlives one call, per (device, stream): the split-K workspace and its
+    tickets, the finalise tickets (all zero between calls: the kernels leave them zero) and
+    the sticky invalid-id flag (host-visible: pinned host memory on CUDA).
+
+    Buffers only grow; growing allocates zeroed memory (inside a CUDA-graph capture that
+    zeroing is part of the graph, so a replay finds them zero as well).
+    """
+
+    def __init__(self, zeros, errors: torch.Tensor):
+        self._zeros = zeros
+        self._bufs: dict[str, torch.Tensor] = {}
+        self.errors = errors
+
+    def get(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        t = self._bufs.get(name)
+        if t is None or t.numel() < numel:
+            t = self._zeros(max(numel, 1), dtype=dtype)
+            self._bufs[name] = t
+        return t
+
+
+_WORKSPACES: dict[tuple[int, int], Workspace] = {}
+_ERROR_FLAGS: dict[int, torch.Tensor] = {}
+
+
+def _error_flag(dev: torch.device) -> torch.Tensor:
+    """The device's invalid-id flag: pinned host memory the kernel writes (host-visible
+    without a sync). Pinned allocation is not allowed inside a CUDA-graph capture: a
+    capture before any eager call gets a device flag (ids are still skipped, the report
+    then needs check_routing_errors)."""
+    flag = _ERROR_FLAGS.get(dev.index)
+    if flag is None:
+        if torch.cuda.is_current_stream_capturing():
+            return torch.zeros(1, dtype=torch.int32, device=dev)
+        flag = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+        _ERROR_FLAGS[dev.index] = flag
+    return flag
+
+
+def _cuda_workspace(dev: torch.device, stream: torch.cuda.Stream) -> Workspace:
+    key = (dev.index, stream.cuda_stream)
+    ws = _WORKSPACES.get(key)
+    if ws is None:
+        zeros = lambda *s, dtype: torch.zeros(*s, dtype=dtype, device=dev)  # noqa: E731
+        ws = Workspace(zeros, _error_flag(dev))
+        _WORKSPACES[key] = ws
+    return ws
+
+
+def _raise_routing_errors(ws: Workspace, num_experts: int | None) -> None:
+    if ws.errors.is_cuda:  # (only inside a first-call capture; reading it would sync)
+        return
+    bad = int(ws.errors[0])
+    if bad:
+        ws.errors.zero_()
+        e = "E" if num_experts is None else str(num_experts)
+        raise ValueError(
+            f"row_experts: an earlier moe_int4_mlp call on this device held {bad} expert ids "
+            f"outside [-1, {e}) (or counts outside [0, capacity]); the kernel skipped them "
+            "(allowed: -1 or a local expert id; check_routing_errors() synchronises and "
+            "reports at once)"
+        )
+
+
+def check_routing_errors() -> None:
+    """Synchronise and raise ValueError if any call so far had invalid expert ids."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    for ws in _WORKSPACES.values():
+        if ws.errors.is_cuda and int(ws.errors[0]):  # a device flag (see _error_flag)
+            ws.errors.zero_()
+            raise ValueError("row_experts: a captured moe_int4_mlp call held invalid expert ids")
+        _raise_routing_errors(ws, None)
 
 
 def _weight_fields(prefix: str, w: PackedInt4Weight) -> dict:
@@ -167,15 +258,16 @@ def _launch_fields(
     block_m: int | None,
     num_sms: int,
     empty,
-    zeros,
+    workspace: Workspace,
+    rows_per_expert: float | None = None,
 ) -> dict:
     """Every field of ``pcie_a2a._moe_int4.Args`` but ``device`` and ``stream``.
 
     Values are ints, or tensors standing for their ``data_ptr()`` (``None`` for 0).
-    Scratch comes from ``empty(*shape, dtype=...)`` / ``zeros(...)`` on the target
-    device. The CUDA path and the host emulation of the kernel source
-    (tests/test_quant_kernel_source_emulation.py) both build their arguments here, so the
-    emulation runs with exactly the sizes the GPU gets.
+    Per-call scratch comes from ``empty(*shape, dtype=...)`` on the target device (no
+    zeroing), the persistent zeroed scratch from ``workspace``. The CUDA path and the host
+    emulation of the kernel source (tests/test_quant_kernel_source_emulation.py) both build
+    their arguments here, so the emulation runs with exactly the sizes the GPU gets.
     """
     e = w13.num_experts
     h = w13.k
@@ -185,9 +277,13 @@ def _launch_fields(
     else:
         r, topk = topk_ids.shape
         pairs = r * topk
-    bm = block_m if block_m is not None else choose_block_m(pairs, e)
+    bm = block_m if block_m is not None else choose_block_m(rows_per_expert)
     if bm not in BLOCK_M_CHOICES:
         raise ValueError(f"block_m={bm} is not supported; supported: {BLOCK_M_CHOICES}")
+    if bm != 16 and (w13.zeros is not None or w2.zeros is not None):
+        raise ValueError(
+            f"block_m={bm} is not available with zero points (asymmetric GPTQ, AWQ); use 16"
+        )
     max_tiles = e + pairs // bm + 1  # >= sum_e ceil(count_e / bm) for any counts
     h_stride = w13.n_pad // 2
     h_perm = w2.k_perm_inv
@@ -204,45 +300,60 @@ def _launch_fields(
         **_weight_fields("w13", w13),
         **_weight_fields("w2", w2),
         x_perm=w13.k_perm,
+        x_perm_buf=None if w13.k_perm is None else empty(max(pairs, 1), w13.k_pad, dtype=x.dtype),
         h_perm=h_perm,
         h_stride=h_stride,
         pair_src=empty(max(pairs, 1), dtype=i32),
         pair_w=empty(max(pairs, 1), dtype=torch.float32),
         tiles=empty(max_tiles * 4, dtype=i32),
-        status=zeros(4, dtype=i32),
+        status=empty(4, dtype=i32),  # every entry is written by the schedule kernel
         h=empty(max(pairs, 1), h_stride, dtype=x.dtype),
-        max_splits=MAX_SPLITS,
+        split_k=1,
         max_pairs=pairs,
         max_tiles=max_tiles,
         block_m=bm,
+        errors=workspace.errors,
     )
     if expert_major:
         f.update(num_rows=e * x.shape[1], capacity=x.shape[1], counts=counts)
     else:
+        r = x.shape[0]
         f.update(
-            num_rows=x.shape[0],
+            num_rows=r,
             num_topk=topk_ids.shape[1],
             topk_ids=topk_ids,
             topk_weights=topk_weights,
-            acc=empty(x.shape[0], h, dtype=torch.float32),
+            acc=empty(r, h, dtype=torch.float32),  # rows with a local expert: zeroed on device
+            row_pairs=empty(max(r, 1), dtype=i32),
+            active_rows=empty(max(r, 1), dtype=i32),
+            row_cnt=workspace.get("row_cnt", r * (w2.n_pad // 256), i32),
         )
-    if bm == 16:
-        # Split-K workspace of the gate/up GEMM: one slot per possible split item. The
-        # kernel splits only when items < CTAs <= 4 * SMs, i.e. items <= 2 * SMs: size it
-        # from the grid, not from the tokens. It is left zeroed by the kernel.
-        ws_items = 2 * num_sms
-        f.update(
-            split_ws=zeros(ws_items * bm * 256, dtype=torch.float32),
-            split_cnt=zeros(ws_items, dtype=i32),
-            ws_items=ws_items,
-        )
+    # Split-K workspace of the SiLU and expert-major GEMMs: one slot per CTA the grid can
+    # have (from the grid, not from the tokens); left zeroed by the kernel.
+    ws_items = WS_SLOTS_PER_SM[bm] * num_sms
+    f.update(
+        split_ws=workspace.get(f"split_ws{bm}", ws_items * bm * 256, torch.float32),
+        split_cnt=workspace.get("split_cnt", ws_items, i32),
+        ws_items=ws_items,
+    )
     return f
 
 
+_SMS: dict[int, int] = {}
+
+
+def _num_sms(dev: torch.device) -> int:
+    idx = dev.index if dev.index is not None else torch.cuda.current_device()
+    if idx not in _SMS:
+        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SMS[idx]
+
+
 def _check_devices(dev: torch.device, tensors: dict) -> None:
-    """Every tensor the kernel dereferences must be a dense tensor on ``dev``."""
+    """Every tensor the kernel dereferences must be a dense tensor on ``dev`` (``errors`` is
+    host memory the device writes, by design)."""
     for name, t in tensors.items():
-        if not isinstance(t, torch.Tensor):
+        if not isinstance(t, torch.Tensor) or name == "errors":
             continue
         if t.device != dev:
             raise ValueError(f"{name} is on {t.device}, activations on {dev}")
@@ -261,9 +372,13 @@ def _run_cuda(
     topk_weights: torch.Tensor | None,
     counts: torch.Tensor | None,
     block_m: int | None,
+    rows_per_expert: float | None = None,
 ) -> None:
     mod = _native()
     dev = x.device
+    stream = torch.cuda.current_stream(dev)
+    ws = _cuda_workspace(dev, stream)
+    _raise_routing_errors(ws, w13.num_experts)
     fields = _launch_fields(
         x,
         out,
@@ -274,9 +389,10 @@ def _run_cuda(
         topk_weights=topk_weights,
         counts=counts,
         block_m=block_m,
-        num_sms=torch.cuda.get_device_properties(dev).multi_processor_count,
+        num_sms=_num_sms(dev),
         empty=lambda *shape, dtype: torch.empty(*shape, dtype=dtype, device=dev),
-        zeros=lambda *shape, dtype: torch.zeros(*shape, dtype=dtype, device=dev),
+        workspace=ws,
+        rows_per_expert=rows_per_expert,
     )
     # Host pointers (e.g. routing left on the CPU) would be dereferenced by the kernel.
     _check_devices(dev, fields)
@@ -284,7 +400,7 @@ def _run_cuda(
     for name, v in fields.items():
         setattr(a, name, v.data_ptr() if isinstance(v, torch.Tensor) else (v or 0))
     a.device = dev.index if dev.index is not None else torch.cuda.current_device()
-    a.stream = torch.cuda.current_stream(dev).cuda_stream
+    a.stream = stream.cuda_stream
     mod.run(a)
     # The scratch was allocated on this stream; the caching allocator hands it out again
     # only to work ordered after these kernels on the same stream, so freeing it when this
@@ -380,7 +496,7 @@ def _moe_int4_mlp_expert_major_op(
     if not x.is_cuda:
         return moe_int4_mlp_expert_major_reference(x, counts, w13, w2)
     x = x.contiguous()
-    out = torch.zeros_like(x)
+    out = torch.empty_like(x)  # rows past counts[e] stay undefined, as in DeepEP
     if x.shape[1] == 0:
         return out
     _run_cuda(
@@ -410,16 +526,23 @@ def moe_int4_mlp(
     w2: PackedInt4Weight,
     *,
     block_m: int | None = None,
+    rows_per_expert: float | None = None,
 ) -> torch.Tensor:
     """Fused W4A16 expert MLP on dispatch rows; returns ``[R, H]`` in ``rows.dtype``.
 
     Runs ``torch.ops.pcie_a2a.moe_int4_mlp``: on CUDA tensors the kernel (schedule kernel,
-    gate/up GEMM with SiLU*up, down GEMM with weighting and per-row reduction, cast; no
+    gate/up GEMM with SiLU*up, down GEMM with weighting, per-row reduction and cast; no
     host sync, capturable in a CUDA graph), on CPU tensors :func:`moe_int4_mlp_reference`.
-    Expert ids outside ``[-1, E)`` are an error on the CPU; the kernel skips them (it
-    cannot raise without a sync). ``block_m`` (16 or 64) overrides the host heuristic.
+    Rows with no local expert are undefined on CUDA (see the module docstring).
+    Expert ids outside ``[-1, E)`` are a ValueError on the CPU; the kernel skips them and
+    sets a host-visible flag, so the next call on the device (or
+    :func:`check_routing_errors`, which synchronises) raises ValueError.
+    ``block_m`` (16 or 64) overrides :func:`choose_block_m`, which takes 16 unless
+    ``rows_per_expert`` (a real estimate of the rows per active expert) is large.
     """
     _check_rows(rows, row_experts, row_weights, w13, w2)
+    if block_m is None:
+        block_m = choose_block_m(rows_per_expert, w13.zeros is not None)
     return torch.ops.pcie_a2a.moe_int4_mlp(
         rows,
         row_experts,
@@ -427,7 +550,7 @@ def moe_int4_mlp(
         *_weight_args(w13),
         *_weight_args(w2),
         _weight_meta(w13) + _weight_meta(w2),
-        -1 if block_m is None else block_m,
+        block_m,
     )
 
 
@@ -438,10 +561,14 @@ def moe_int4_mlp_expert_major(
     w2: PackedInt4Weight,
     *,
     block_m: int | None = None,
+    rows_per_expert: float | None = None,
 ) -> torch.Tensor:
     """Expert-major layout: ``x [E, capacity, H]`` + ``counts [E]`` -> ``[E, capacity, H]``
-    of unweighted expert outputs (rows beyond ``counts[e]`` are zero)."""
+    of unweighted expert outputs (rows beyond ``counts[e]`` are undefined on CUDA, zero on
+    the CPU reference). ``block_m`` / ``rows_per_expert`` as in :func:`moe_int4_mlp`."""
     _check_expert_major(x, counts, w13, w2)
+    if block_m is None:
+        block_m = choose_block_m(rows_per_expert, w13.zeros is not None)
     return torch.ops.pcie_a2a.moe_int4_mlp_expert_major(
         x,
         counts,

@@ -11,7 +11,7 @@
 // success, 1 when moe_int4's argument checks reject the arguments (message on stderr),
 // 3 when the emulation detects a fault (out-of-bounds cp.async, misalignment, deadlock).
 //
-// The launch sequence below mirrors moe_int4_run / run_typed in
+// The launch sequence below mirrors moe_int4_run / run_typed / gemm_m in
 // csrc/cuda/moe_int4/moe_int4.cu line for line (that host code is only CUDA API calls);
 // the argument checks, the GEMM parameters and the grid size come from the same headers.
 #include <cstdint>
@@ -112,6 +112,7 @@ mi::MoeInt4Args read_args() {
     PA2A_FIELD(w2_group)
     PA2A_FIELD(w2_num_groups)
     PA2A_FIELD(x_perm)
+    PA2A_FIELD(x_perm_buf)
     PA2A_FIELD(h_perm)
     PA2A_FIELD(h_stride)
     PA2A_FIELD(pair_src)
@@ -119,10 +120,14 @@ mi::MoeInt4Args read_args() {
     PA2A_FIELD(tiles)
     PA2A_FIELD(status)
     PA2A_FIELD(h)
+    PA2A_FIELD(row_pairs)
+    PA2A_FIELD(active_rows)
     PA2A_FIELD(split_ws)
     PA2A_FIELD(split_cnt)
     PA2A_FIELD(ws_items)
-    PA2A_FIELD(max_splits)
+    PA2A_FIELD(row_cnt)
+    PA2A_FIELD(errors)
+    PA2A_FIELD(split_k)
     PA2A_FIELD(max_pairs)
     PA2A_FIELD(max_tiles)
     PA2A_FIELD(block_m)
@@ -134,38 +139,57 @@ mi::MoeInt4Args read_args() {
   return a;
 }
 
-template <typename T, int kBlockM>
+template <typename T, int kBlockM, bool kZeros, bool kGroup32>
 void launch_gemm(const mi::GemmParams& p, int num_sms, int per_sm) {
   // launch_gemm in gemm_launch.cuh: the grid from gemm_grid, kThreads threads, the
-  // SmemLayout's dynamic shared memory.
+  // SmemLayout's dynamic shared memory (per_sm stands for the cached occupancy query).
   const int64_t grid = mi::gemm_grid(p, num_sms, per_sm);
   emu::launch(static_cast<unsigned>(grid), mi::kThreads, mi::SmemLayout<kBlockM>::kBytes,
-              [&] { mi::moe_int4_gemm_kernel<T, kBlockM>(p); });
+              [&] { mi::moe_int4_gemm_kernel<T, kBlockM, kZeros, kGroup32>(p); });
+}
+
+// gemm_m in moe_int4.cu: the instantiation for the operand's variant.
+template <typename T, int kBlockM>
+void gemm_m(const mi::GemmParams& p, int num_sms, int per_sm) {
+  const mi::GemmVariant v = mi::gemm_variant(p, kBlockM);
+  if constexpr (kBlockM != 16) {  // no zero-point instantiation (check_args refuses it)
+    if (v.group32) {
+      launch_gemm<T, kBlockM, false, true>(p, num_sms, per_sm);
+    } else {
+      launch_gemm<T, kBlockM, false, false>(p, num_sms, per_sm);
+    }
+  } else if (v.zeros) {
+    if (v.group32) {
+      launch_gemm<T, kBlockM, true, true>(p, num_sms, per_sm);
+    } else {
+      launch_gemm<T, kBlockM, true, false>(p, num_sms, per_sm);
+    }
+  } else if (v.group32) {
+    launch_gemm<T, kBlockM, false, true>(p, num_sms, per_sm);
+  } else {
+    launch_gemm<T, kBlockM, false, false>(p, num_sms, per_sm);
+  }
 }
 
 template <typename T>
 void run_typed(const mi::MoeInt4Args& a, int num_sms, int per_sm) {
-  const mi::GemmParams g1 = mi::gate_up_params(a);
-  const mi::GemmParams g2 = mi::down_params(a);
-  auto gemm = [&](const mi::GemmParams& p) {
-    if (a.block_m == 16) {
-      launch_gemm<T, 16>(p, num_sms, per_sm);
-    } else {
-      launch_gemm<T, 64>(p, num_sms, per_sm);
-    }
-  };
-  gemm(g1);
-  if (!a.expert_major) {
-    std::memset(reinterpret_cast<void*>(a.acc), 0,
-                static_cast<size_t>(a.num_rows) * a.hidden * sizeof(float));
-  }
-  gemm(g2);
-  if (!a.expert_major) {
-    const int64_t n = a.num_rows * a.hidden;
-    const int64_t blocks = (n + 255) / 256 < 4L * num_sms ? (n + 255) / 256 : 4L * num_sms;
-    emu::launch(static_cast<unsigned>(blocks), 256, 0, [&] {
-      mi::finalize_kernel<T>(reinterpret_cast<const float*>(a.acc), reinterpret_cast<T*>(a.out), n);
+  if (a.x_perm != 0) {
+    const int64_t grid = a.max_tiles < 4L * num_sms ? a.max_tiles : 4L * num_sms;
+    emu::launch(static_cast<unsigned>(grid), 256, 0, [&] {
+      mi::permute_rows_kernel<T>(reinterpret_cast<const T*>(a.x), static_cast<int64_t>(a.hidden),
+                                 reinterpret_cast<const int32_t*>(a.x_perm), a.w13_k_pad,
+                                 reinterpret_cast<const int32_t*>(a.tiles),
+                                 reinterpret_cast<const int32_t*>(a.status), a.max_tiles,
+                                 reinterpret_cast<const int32_t*>(a.pair_src),
+                                 reinterpret_cast<T*>(a.x_perm_buf));
     });
+  }
+  for (const mi::GemmParams& p : {mi::gate_up_params(a), mi::down_params(a)}) {
+    if (a.block_m == 16) {
+      gemm_m<T, 16>(p, num_sms, per_sm);
+    } else {
+      gemm_m<T, 64>(p, num_sms, per_sm);
+    }
   }
 }
 
@@ -176,12 +200,14 @@ void run(const mi::MoeInt4Args& a, int num_sms, int per_sm, int smem_optin) {
   PA2A_CHECK_ARG(smem <= smem_optin, "moe_int4: block_m=", a.block_m, " needs ", smem,
                  " bytes of shared memory per block; this device allows ", smem_optin);
   if (pairs == 0) return;
+  auto* status = reinterpret_cast<int32_t*>(a.status);
+  auto* errors = reinterpret_cast<int32_t*>(a.errors);
   if (a.expert_major) {
     emu::launch(1, mi::kScheduleThreads, 0, [&] {
       mi::schedule_expert_major_kernel(
           reinterpret_cast<const int32_t*>(a.counts), a.capacity, a.num_experts, a.block_m,
           reinterpret_cast<int32_t*>(a.pair_src), reinterpret_cast<float*>(a.pair_w),
-          reinterpret_cast<int32_t*>(a.tiles), reinterpret_cast<int32_t*>(a.status), a.max_tiles);
+          reinterpret_cast<int32_t*>(a.tiles), status, a.max_tiles, errors);
     });
   } else {
     emu::launch(1, mi::kScheduleThreads, 0, [&] {
@@ -189,7 +215,9 @@ void run(const mi::MoeInt4Args& a, int num_sms, int per_sm, int smem_optin) {
           reinterpret_cast<const int32_t*>(a.topk_ids),
           reinterpret_cast<const float*>(a.topk_weights), a.num_rows, a.num_topk, a.num_experts,
           a.block_m, reinterpret_cast<int32_t*>(a.pair_src), reinterpret_cast<float*>(a.pair_w),
-          reinterpret_cast<int32_t*>(a.tiles), reinterpret_cast<int32_t*>(a.status), a.max_tiles);
+          reinterpret_cast<int32_t*>(a.tiles), status, a.max_tiles,
+          reinterpret_cast<int32_t*>(a.row_pairs), reinterpret_cast<int32_t*>(a.active_rows),
+          errors);
     });
   }
   if (a.dtype == 0) {

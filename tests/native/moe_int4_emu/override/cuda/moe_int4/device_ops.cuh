@@ -8,6 +8,11 @@
 //    Source and destination must be 16-byte aligned; sources must lie in a registered
 //    global buffer and destinations in the dynamic shared memory. A thread that exits
 //    with copies in flight still has them land (the hardware finishes them).
+//  * ldmatrix.x4: warp-collective; each lane publishes its row address (16-byte aligned,
+//    inside the dynamic shared memory), the first lane through reads the four 8x8 matrices
+//    at once (as the hardware does) and every lane takes its registers from that copy.
+//  * prmt, fma2 (computed exactly in double, rounded once to the 16-bit type) and
+//    griddepcontrol.wait / launch_dependents (no-ops: launches run one after the other).
 //  * mma.sync.m16n8k16: warp-collective; each lane publishes its fragment registers and
 //    reads the others', placed by the PTX ISA fragment tables (written here from the ISA,
 //    not from the kernel or the packer). fp32 accumulation.
@@ -32,7 +37,15 @@ struct ThreadState {
   std::vector<Copy> open;                  // cp.async issued since the last commit
   std::deque<std::vector<Copy>> inflight;  // committed groups, oldest first
   int mma_parity = 0;
+  int ldm_parity = 0;
 };
+
+struct LdmResult {
+  uint64_t epoch = ~uint64_t{0};
+  uint32_t regs[32][4];
+};
+inline const void* ldm_addr[32][2][32];  // [warp][parity][lane]
+inline LdmResult ldm_res[32][2];
 
 struct MmaSlot {
   uint32_t a[4];
@@ -95,6 +108,56 @@ inline unsigned char* dynamic_smem() {
 
 inline uint32_t lop3_and_or(uint32_t a, uint32_t b, uint32_t c) {
   return (a & b) | c;
+}
+
+inline uint32_t prmt(uint32_t a, uint32_t sel) {
+  const uint64_t bytes = a;  // {b = 0, a}: bytes 0..3 from a, 4..7 zero
+  uint32_t d = 0;
+  for (int i = 0; i < 4; ++i) {
+    const unsigned pick = (sel >> (4 * i)) & 7u;  // sign-replicate mode (bit 3) unused here
+    d |= static_cast<uint32_t>((bytes >> (8 * pick)) & 0xFFu) << (8 * i);
+  }
+  return d;
+}
+
+inline __nv_bfloat162 fma2(__nv_bfloat162 a, __nv_bfloat162 b, __nv_bfloat162 c) {
+  auto f = [](__nv_bfloat16 x, __nv_bfloat16 y, __nv_bfloat16 z) {
+    return __nv_bfloat16(static_cast<float>(static_cast<double>(float(x)) * float(y) + float(z)));
+  };
+  return {f(a.x, b.x, c.x), f(a.y, b.y, c.y)};
+}
+inline __half2 fma2(__half2 a, __half2 b, __half2 c) {
+  auto f = [](__half x, __half y, __half z) {
+    return __half(static_cast<float>(static_cast<double>(float(x)) * float(y) + float(z)));
+  };
+  return {f(a.x, b.x, c.x), f(a.y, b.y, c.y)};
+}
+
+inline void grid_dependency_wait() {}
+inline void grid_dependency_launch() {}
+
+inline void ldmatrix_x4(uint32_t (&r)[4], const void* smem_row) {
+  if (reinterpret_cast<uintptr_t>(smem_row) % 16)
+    emu::fail("ldmatrix row address that is not 16-byte aligned");
+  emu::check_smem(smem_row, 16, "ldmatrix row");
+  const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  emu_int4::ThreadState& f = emu_int4::me();
+  const int parity = f.ldm_parity;
+  f.ldm_parity ^= 1;
+  emu_int4::ldm_addr[warp][parity][lane] = smem_row;
+  emu::Warp& w = emu::rt.warps[warp];
+  emu::barrier(w.count, w.gen, 32, "ldmatrix");
+  emu_int4::LdmResult& res = emu_int4::ldm_res[warp][parity];
+  if (res.epoch != w.gen) {  // first lane through: all four matrices, before anyone writes
+    res.epoch = w.gen;
+    for (int t = 0; t < 32; ++t)
+      for (int j = 0; j < 4; ++j) {
+        const auto* row =
+            static_cast<const unsigned char*>(emu_int4::ldm_addr[warp][parity][8 * j + t / 4]);
+        std::memcpy(&res.regs[t][j], row + 4 * (t % 4), 4);
+      }
+  }
+  std::memcpy(r, res.regs[lane], sizeof r);
 }
 
 inline void cp_async16(void* smem, const void* gmem, bool pred) {

@@ -2,5 +2,5 @@
 #include "cuda/moe_int4/gemm_launch.cuh"
 
 namespace pa2a::moe_int4 {
-template void launch_gemm<__nv_bfloat16, 16>(const GemmParams&, int, cudaStream_t);
+template void launch_gemm<__half, 16, true, true>(const GemmParams&, const LaunchContext&);
 }  // namespace pa2a::moe_int4

@@ -1,0 +1,339 @@
+"""A fluid model of the INT4 MoE kernel's grid: which tile, how many work items, how the
+k-tiles are split over the CTAs, and the predicted fraction of the weight-bandwidth floor.
+
+It is an estimate, not a measurement: every CTA streams its k-tiles at the smaller of its
+share of DRAM bandwidth, what its cp.async pipeline keeps in flight over the memory
+latency, and what its SM can issue (instructions per k-tile from the compiled SASS, see
+scripts/sass_report.py); plus fixed costs per call (launch gaps, zeroing and finalise
+traffic). What it is for: seeing tails, idle SMs and fixed costs before a GPU run, and
+pinning the decisions that remove them (tests/test_quant_grid_model.py). The benchmark
+(benchmarks/bench_moe_gemm.py) measures the real numbers.
+
+``policy="new"`` is the kernel in this tree: block_m 16 unless the caller estimates >= 48
+rows per expert, stream-K over every CTA for both GEMMs, zeroing and finalise of the rows
+that have a local expert only, programmatic dependent launch on sm_90/120.
+``policy="old"`` is the kernel before issue 12 (for the before/after table): block_m from
+the buffer bound, whole-number split-K only while items <= grid / 2 and gate/up only at
+block_m 16, a memset and a cast of the whole [R, H] fp32 accumulator, 7 device operations.
+
+``python -m pcie_a2a.quant.grid_model`` prints the decode table for every target GPU.
+Pure Python (no torch), so scripts can load it by path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass, field
+
+# ---- the kernel's constants (csrc/cuda/moe_int4/gemm_kernel.cuh; a test compares) -------
+THREADS = 128
+WARPS = THREADS // 32
+STAGES = 4
+BLOCK_K = 64
+BLOCK_N = 256
+MIN_PART_K_TILES = 4
+A_ROW_STRIDE = BLOCK_K + 8
+B_STAGE_BYTES = (BLOCK_K // 16) * WARPS * 512
+S_STAGE_BYTES = 2 * BLOCK_N * 2
+WS_SLOTS_PER_SM = {16: 4, 64: 2}  # python/pcie_a2a/quant/moe.py
+BLOCK_M_64_MIN_ROWS = 48  # python/pcie_a2a/quant/moe.py
+HMMA_PER_K_TILE = {16: 32, 64: 128}  # m16n8k16 per warp and 64-deep k-tile
+
+# Instructions per warp per 64-deep k-tile of the main loop, registers (new: the largest
+# over dtype, zero points and group of each block_m on any arch, from
+# scripts/sass_report.py; the SASS test checks the compiled code stays within these).
+NEW_INSTR_PER_K_TILE = {16: 440, 64: 600}
+NEW_REGS = {16: 128, 64: 255}
+OLD_INSTR_PER_K_TILE = {16: 940, 64: 1400}  # the review's count (issue 12) and scaled
+OLD_REGS = {16: 128, 64: 251}  # old SASS: 119-128, 240-251
+
+
+def smem_bytes(block_m: int) -> int:
+    """Dynamic shared memory of one GEMM CTA (SmemLayout<kBlockM>::kBytes)."""
+    return STAGES * (block_m * A_ROW_STRIDE * 2 + B_STAGE_BYTES + 2 * S_STAGE_BYTES)
+
+
+@dataclass(frozen=True)
+class Arch:
+    name: str
+    max_warps: int  # per SM
+    max_blocks: int  # per SM
+    smem_per_sm: int  # bytes usable by CTAs (opt-in carveout)
+    smem_optin: int  # per block
+    regs_per_sm: int = 65536
+    reserved_smem: int = 1024  # per block (sm_80 and newer)
+
+
+ARCHS = {
+    "sm_89": Arch("sm_89", max_warps=48, max_blocks=24, smem_per_sm=102400, smem_optin=101376),
+    "sm_90": Arch("sm_90", max_warps=64, max_blocks=32, smem_per_sm=233472, smem_optin=232448),
+    "sm_120": Arch("sm_120", max_warps=48, max_blocks=32, smem_per_sm=102400, smem_optin=101376),
+}
+
+
+@dataclass(frozen=True)
+class Gpu:
+    name: str
+    arch: str
+    sms: int
+    bw_gbs: float  # spec DRAM bandwidth
+    clock_ghz: float  # sustained SM clock under load (estimate)
+    latency_us: float  # DRAM latency under load (estimate)
+
+
+GPUS = {
+    "rtx_pro_6000": Gpu("RTX PRO 6000", "sm_120", 188, 1792.0, 2.4, 0.8),
+    "rtx_5090": Gpu("RTX 5090", "sm_120", 170, 1792.0, 2.4, 0.8),
+    "rtx_4090": Gpu("RTX 4090", "sm_89", 128, 1008.0, 2.5, 0.8),
+    "l40s": Gpu("L40S", "sm_89", 142, 864.0, 2.4, 0.8),
+    "h200": Gpu("H200", "sm_90", 132, 4800.0, 1.8, 0.7),
+}
+
+
+def ctas_per_sm(arch: Arch, block_m: int, regs: int) -> int:
+    """Occupancy of one GEMM CTA: the smallest of the shared-memory, register, warp and
+    block limits (registers are allocated per warp in units of 256)."""
+    smem = smem_bytes(block_m) + arch.reserved_smem
+    by_smem = arch.smem_per_sm // smem
+    regs_per_warp = math.ceil(regs * 32 / 256) * 256
+    by_regs = (arch.regs_per_sm // regs_per_warp) // WARPS
+    return max(0, min(by_smem, by_regs, arch.max_warps // WARPS, arch.max_blocks))
+
+
+# ---- the stream-K partition (Partition / make_partition in gemm_kernel.cuh) --------------
+
+
+@dataclass(frozen=True)
+class Partition:
+    units: int
+    ctas: int
+    gran: int
+
+    def begin(self, b: int) -> int:
+        return (b * (self.units // self.gran) // self.ctas) * self.gran
+
+    def owner(self, v: int) -> int:
+        return ((v // self.gran + 1) * self.ctas - 1) // (self.units // self.gran)
+
+
+def make_partition(items: int, k_tiles: int, grid: int, splittable: bool) -> Partition:
+    units = items * k_tiles
+    gran = 1 if splittable else k_tiles
+    chunks = units // gran
+    c = chunks // MIN_PART_K_TILES if splittable else chunks
+    return Partition(units, max(1, min(c, grid)), gran)
+
+
+# ---- the problem -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int = 7168
+    intermediate: int = 2048
+    local_experts: int = 48
+    topk: int = 8
+    group: int = 32
+    ll_rows: int = 1024  # low-latency receive buffer rows (world x max_tokens)
+
+    def w_bytes(self, n: int, k: int) -> int:
+        """One expert matrix: int4 weights plus bf16 group scales."""
+        return n * k // 2 + n * (k // self.group) * 2
+
+
+def _pad(v: int, m: int) -> int:
+    return -(-v // m) * m
+
+
+@dataclass
+class GemmPlan:
+    items: int
+    k_tiles: int
+    ctas: int
+    max_units: int  # k-tiles of the busiest CTA
+    min_units: int  # of the least busy CTA that has work
+    max_parts: int  # CTAs sharing one item, at most
+    split_items: int
+    time_us: float = 0.0
+
+
+@dataclass
+class Prediction:
+    gpu: str
+    active_experts: int
+    rows_per_expert: int
+    block_m: int
+    gate_up: GemmPlan
+    down: GemmPlan
+    floor_us: float
+    fixed_us: float
+    time_us: float
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def fraction(self) -> float:
+        return self.floor_us / self.time_us
+
+
+def _fluid_time(loads_bytes: list[float], bw: float, cap: float) -> float:
+    """Seconds until every CTA has streamed its bytes, all sharing `bw`, each at most `cap`
+    (bytes/s): water-filling over the loads sorted ascending."""
+    loads = sorted(x for x in loads_bytes if x > 0)
+    t, done, n = 0.0, 0.0, len(loads)
+    for i, load in enumerate(loads):
+        active = n - i
+        rate = min(cap, bw / active)
+        t += (load - done) / rate
+        done = load
+    return t
+
+
+def _gemm(
+    gpu: Gpu,
+    per_sm: int,
+    block_m: int,
+    instr: int,
+    tiles: int,
+    n: int,
+    k: int,
+    policy: str,
+    needs_ws: bool,
+    split_ok: bool,
+    unit_bytes: int,
+) -> GemmPlan:
+    n_blocks = _pad(n, BLOCK_N) // BLOCK_N
+    k_tiles = _pad(k, BLOCK_K) // BLOCK_K
+    items = tiles * n_blocks
+    slots = gpu.sms * per_sm
+    loads: list[int] = []
+    if policy == "new":
+        grid = min(slots, WS_SLOTS_PER_SM[block_m] * gpu.sms) if needs_ws else slots
+        pt = make_partition(items, k_tiles, grid, True)
+        for b in range(pt.ctas):
+            loads.append(pt.begin(b + 1) - pt.begin(b))
+        parts = [pt.owner((i + 1) * k_tiles - 1) - pt.owner(i * k_tiles) + 1 for i in range(items)]
+        ctas = pt.ctas
+    else:  # whole-number split only while items <= grid / 2 (and a workspace exists)
+        s = 1
+        if split_ok and items > 0:
+            s = max(1, min(slots // items, 16, k_tiles // MIN_PART_K_TILES))
+        work = items * s
+        ctas = min(slots, work)
+        per_part = [(p + 1) * k_tiles // s - p * k_tiles // s for p in range(s)]
+        loads = [0] * ctas
+        for w in range(work):
+            loads[w % ctas] += per_part[w % s]
+        parts = [s] * items
+    busy = [x for x in loads if x > 0]
+    plan = GemmPlan(
+        items=items,
+        k_tiles=k_tiles,
+        ctas=len(busy),
+        max_units=max(busy, default=0),
+        min_units=min(busy, default=0),
+        max_parts=max(parts, default=1),
+        split_items=sum(1 for p in parts if p > 1),
+    )
+    bw = gpu.bw_gbs * 1e9
+    in_flight = (STAGES - 1) * unit_bytes / (gpu.latency_us * 1e-6)
+    # Issue: the SM's 4 schedulers shared by its CTAs (resident ones share even when the
+    # partition leaves some idle: count the CTAs actually placed on one SM).
+    on_sm = max(1, min(per_sm, math.ceil(plan.ctas / gpu.sms)))
+    issue = unit_bytes * gpu.clock_ghz * 1e9 * 4 / (on_sm * WARPS * instr)
+    plan.time_us = 1e6 * _fluid_time([x * unit_bytes for x in busy], bw, min(in_flight, issue))
+    plan.time_us += gpu.latency_us  # pipeline fill of the first k-tiles
+    return plan
+
+
+def predict(
+    gpu_name: str,
+    active_experts: int,
+    rows_per_expert: int,
+    *,
+    shape: Shape = Shape(),
+    policy: str = "new",
+    layout: str = "low_latency",
+) -> Prediction:
+    """One decode step of one rank: ``active_experts`` experts with ``rows_per_expert``
+    rows each, in the low-latency rows layout (``shape.ll_rows`` rows, mostly -1 slots) or
+    the normal layout (only routed rows)."""
+    gpu = GPUS[gpu_name]
+    arch = ARCHS[gpu.arch]
+    pairs = active_experts * rows_per_expert
+    if layout == "low_latency":
+        rows = shape.ll_rows
+        pair_bound = rows * shape.topk
+    else:
+        rows = max(1, pairs)  # at most one pair per row here (a bound for the costs)
+        pair_bound = rows * shape.topk
+    notes: list[str] = []
+    if policy == "new":
+        bm = 16  # choose_block_m: no estimate from the layer at decode
+        instr, regs = NEW_INSTR_PER_K_TILE[bm], NEW_REGS[bm]
+    else:
+        bm = 16 if pair_bound <= 16 * shape.local_experts else 64
+        instr, regs = OLD_INSTR_PER_K_TILE[bm], OLD_REGS[bm]
+    per_sm = max(1, ctas_per_sm(arch, bm, regs))
+    tiles = active_experts * -(-rows_per_expert // bm)
+    h, i = shape.hidden, shape.intermediate
+    scale_bytes = 2 * BLOCK_N * 2 if shape.group == 32 else BLOCK_N * 2
+    unit = B_STAGE_BYTES + scale_bytes
+    gu = _gemm(gpu, per_sm, bm, instr, tiles, 2 * i, h, policy, True, bm == 16, unit)
+    dn = _gemm(gpu, per_sm, bm, instr, tiles, h, i, policy, False, True, unit)
+    bw = gpu.bw_gbs * 1e3  # bytes per microsecond
+    floor = active_experts * (shape.w_bytes(2 * i, h) + shape.w_bytes(h, i)) / bw
+    active_rows = min(rows, pairs)
+    if policy == "new":
+        launch = 1.0 if gpu.arch != "sm_89" else 2.5  # PDL hides most of the gap
+        fixed = 3 * launch + active_rows * h * (4 + 4 + 2) / bw  # zero, finalise r/w
+    else:
+        launch = 2.5
+        ws = 2 * gpu.sms * 16 * 256 * 4 if bm == 16 else 0
+        fixed = 7 * launch + rows * h * (4 + 4 + 2) / bw + ws / bw
+        notes.append(f"memset + cast of {rows} accumulator rows")
+    total = gu.time_us + dn.time_us + fixed
+    return Prediction(
+        gpu_name, active_experts, rows_per_expert, bm, gu, dn, floor, fixed, total, notes
+    )
+
+
+DECODE_ACTIVE = (1, 2, 4, 8, 12, 16, 17, 24, 32, 48)
+DECODE_ROWS = (1, 2, 4, 8, 16)
+
+
+def table(policy: str = "new", gpus=None, rows=(1, 4, 16)) -> str:
+    out = [
+        f"policy={policy}: gpu, active experts, rows/expert -> block_m, items (gate/up, down),"
+        " CTAs, k-tiles per CTA max/min, max parts per item, fixed us, floor us, predicted us,"
+        " fraction of floor"
+    ]
+    for g in gpus or GPUS:
+        for a in DECODE_ACTIVE:
+            for m in rows:
+                p = predict(g, a, m, policy=policy)
+                gu, dn = p.gate_up, p.down
+                out.append(
+                    f"{g:12s} A={a:2d} m={m:2d} bm={p.block_m:2d} items={gu.items:4d}/{dn.items:4d}"
+                    f" ctas={gu.ctas:3d}/{dn.ctas:3d} kt={gu.max_units}-{gu.min_units}/"
+                    f"{dn.max_units}-{dn.min_units} parts={gu.max_parts}/{dn.max_parts}"
+                    f" fixed={p.fixed_us:5.1f} floor={p.floor_us:6.1f} t={p.time_us:6.1f}"
+                    f" frac={p.fraction:4.2f}"
+                )
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--policy", choices=("new", "old", "both"), default="both")
+    ap.add_argument("--gpu", action="append", choices=sorted(GPUS))
+    ap.add_argument("--rows", type=int, action="append", help="rows per expert (default 1 4 16)")
+    args = ap.parse_args(argv)
+    rows = tuple(args.rows) if args.rows else (1, 4, 16)
+    for pol in ("old", "new") if args.policy == "both" else (args.policy,):
+        print(table(pol, args.gpu, rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
