@@ -9,10 +9,11 @@ after the FFN and decides which sums are owed. What is the test's:
 * ``honest_experts``: SGLang's CPU expert loop (``moe_forward_native``) scatters ``-1``
   ids and so cannot run expert parallel; this stand-in computes the same SiLU MLP over
   the layer's *local* experts and skips ``-1`` (fp32 accumulate, like the reference);
-* three platform shims for a machine without an accelerator: SGLang's group collectives
-  take their CPU branch (``parallel_state._is_cpu``, normally set by SGLang's CPU engine,
-  which needs ``sgl_kernel``), the standard dispatcher's expert map lives on "cpu", and
-  the DP gather buffers are sized for CPU bf16;
+* platform shims for a machine without an accelerator: SGLang's group collectives take
+  their CPU branch and the DP gather its CPU copy (``_is_cpu``, normally set by SGLang's
+  CPU engine, which needs ``sgl_kernel``), the standard dispatcher's expert map lives on "cpu", the DP
+  gather buffers are sized for CPU bf16, and Qwen2-MoE's Triton shared-expert gate kernel
+  is replaced by its torch form;
 * a stand-in attention (identity, returned as the partial sum the boundary expects).
 """
 
@@ -164,14 +165,28 @@ def honest_experts(layer, x, topk_output, moe_runner_config):
     return out.to(x.dtype)
 
 
+def _gate_sigmoid_mul_add(x, gate_weight, shared, out):
+    """Torch form of Qwen2-MoE's Triton ``fused_gate_sigmoid_mul_add`` (in place)."""
+    import torch
+
+    gate = torch.sigmoid(x.float() @ gate_weight.float()).unsqueeze(-1)
+    out.add_((gate * shared.float()).to(out.dtype))
+    return out
+
+
 def cpu_shims() -> None:
     from sglang.srt.distributed import parallel_state
+    from sglang.srt.layers import dp_attention
     from sglang.srt.layers.moe import fused_moe_native
     from sglang.srt.layers.moe.token_dispatcher import standard
+    from sglang.srt.models import qwen2_moe
 
     parallel_state._is_cpu = True
+    dp_attention._is_cpu = True
+    dp_attention.memcpy_func = dp_attention.memcpy_cpu
     standard.get_device = lambda *a, **k: "cpu"
     fused_moe_native.moe_forward_native = honest_experts
+    qwen2_moe.fused_gate_sigmoid_mul_add = _gate_sigmoid_mul_add
 
 
 def load_plugins_quietly() -> None:
@@ -252,10 +267,12 @@ def load_block(block, seed: int) -> None:
         if isinstance(m, FusedMoE):
             inter = m.intermediate_size_per_partition * m.moe_tp_size
             hidden = m.hidden_size
-            for e in range(m.num_experts):
-                for shard, shape in (("w1", (inter, hidden)), ("w3", (inter, hidden))):
-                    m.weight_loader(m.w13_weight, _full(g, *shape), f"{e}.{shard}", shard, e)
-                m.weight_loader(m.w2_weight, _full(g, hidden, inter), f"{e}.w2", "w2", e)
+            for e in range(m.num_experts):  # SGLang's loader reads the kind from the name
+                for shard, proj in (("w1", "gate_proj"), ("w3", "up_proj")):
+                    w = _full(g, inter, hidden)
+                    m.weight_loader(m.w13_weight, w, f"{name}.{e}.{proj}.weight", shard, e)
+                w = _full(g, hidden, inter)
+                m.weight_loader(m.w2_weight, w, f"{name}.{e}.down_proj.weight", "w2", e)
         elif isinstance(m, MergedColumnParallelLinear):
             for i, n in enumerate(m.output_sizes):
                 m.weight_loader(m.weight, _full(g, n, m.input_size), i)
