@@ -135,6 +135,22 @@ def _ct_config():
     return CompressedTensorsConfig.from_config(KIMI_CT)
 
 
+def _marlin_config(fmt: str):
+    if fmt == "gptq":
+        from sglang.srt.layers.quantization.gptq.gptq import GPTQMarlinConfig
+
+        raw = {"bits": 4, "group_size": GROUP, "desc_act": False, "sym": True, "lm_head": False}
+        return GPTQMarlinConfig.from_config({**raw, "quant_method": "gptq"})
+    from sglang.srt.layers.quantization.awq import awq
+
+    # AWQ-Marlin's config asks the GPU's compute capability (none on CPU); under pcie
+    # the layer never runs Marlin, so the test skips that check
+    awq.verify_marlin_supported = lambda *a, **k: None
+    AWQMarlinConfig = awq.AWQMarlinConfig
+    raw = {"bits": 4, "group_size": GROUP, "zero_point": True, "lm_head": False}
+    return AWQMarlinConfig.from_config({**raw, "quant_method": "awq"})
+
+
 def _run_block(block, x, fb):
     import torch
 
@@ -193,6 +209,24 @@ def _int4_worker(rank: int, world: int, root: str) -> dict:
             su.is_cuda, dsv2._is_cuda = real, False
         out["err_cuda"] = (got_cuda - want).abs().max().item() / scale
         out["unscaled_gap"] = (want - shared - (want - shared) / factor).abs().max().item() / scale
+        # GPTQ (symmetric) and AWQ (zero points) on Qwen3-MoE blocks; Marlin's schemes
+        # take only layers with N % 128 == 0 and K % 64 == 0, hence a wider block
+        q3 = dict(sb.QWEN3_MOE, hidden_size=128, moe_intermediate_size=64)
+        x3 = (torch.randn(t, 128, generator=g) * 0.5).to(torch.bfloat16)
+        fb3 = sb.forward_batch([5, 3], t, True, 128)
+        for fmt in ("gptq", "awq"):
+            qw = _experts(q3["num_experts"], 128, 64, seed=13, symmetric=fmt == "gptq")
+            blk, *_ = sb.build_block("qwen3_moe", _marlin_config(fmt), q3)
+            sb.load_block(blk, seed=6)
+            _load_int4(blk.experts, qw, fmt, "model.layers.1.mlp")
+            blk.experts.quant_method.process_weights_after_loading(blk.experts)
+            with torch.no_grad():
+                tk = blk.topk(x3, blk.gate(x3)[0])
+            ref = _reference(x3, tk.topk_weights, tk.topk_ids, qw, 1.0)
+            got = _run_block(blk, x3, fb3).float()
+            out[f"err_{fmt}"] = (got - ref).abs().max().item() / ref.abs().max().item()
+            out[f"scheme_{fmt}"] = type(getattr(blk.experts, "scheme", None)).__name__
+            out[f"freed_{fmt}"] = blk.experts.w13_qweight.numel() == 0
         # what the kernel does not compute is refused when the layer is built
         try:
             sb.build_block("deepseek_v3", _ct_config(), dict(cfg, swiglu_limit=7.0))
@@ -214,3 +248,7 @@ def test_compressed_tensors_routed_to_moe_int4_mlp_with_scaling(model_root):
         # a dropped (or doubled) factor would be far outside that tolerance
         assert res["unscaled_gap"] > 0.1, res
         assert "swiglu_limit=7.0" in res["swiglu"] and "not compute" in res["swiglu"], res
+        assert res["scheme_gptq"] == "GPTQMarlinMoEScheme", res
+        assert res["scheme_awq"] == "AWQMoEScheme", res
+        assert res["err_gptq"] <= 0.02 and res["err_awq"] <= 0.02, res
+        assert res["freed_gptq"] and res["freed_awq"], res
