@@ -16,7 +16,6 @@ SGLang 0.5.2x has no registry of a2a backends, but its ``MoeA2ABackend`` enum ha
    our dispatcher;
 5. registers a fused function for (``customized``, ``marlin``) so SGLang's Marlin runner
    (INT4 GPTQ/AWQ/compressed-tensors MoE) constructs under our backend;
-
 6. makes the shared experts of the validated MoE blocks replicated and refuses any other
    block on our dispatcher (``models.py``);
 7. routes the INT4 MoE schemes (compressed-tensors, GPTQ, AWQ) to ``moe_int4_mlp`` with
