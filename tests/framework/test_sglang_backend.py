@@ -75,6 +75,19 @@ def _load_plugins() -> list[str]:
     return cap.lines
 
 
+def _validated_dispatcher(moe_layer, cfg):
+    """SGLang's hooked factory, called as from inside a validated MoE block's __init__
+    (what Qwen3MoeSparseMoeBlock -> FusedMoE does; real blocks: test_sglang_models.py)."""
+    from pcie_a2a.integrations.sglang import models
+
+    stack = models._stack()
+    stack.append("sglang.srt.models.qwen3_moe.Qwen3MoeSparseMoeBlock")
+    try:
+        return moe_layer.create_moe_dispatcher(cfg, None)
+    finally:
+        stack.pop()
+
+
 def _use_backend(name: str) -> None:
     from sglang.srt.layers.moe.utils import MoeA2ABackend
     from sglang.srt.runtime_context import get_flags
@@ -181,7 +194,13 @@ def _plugin_worker(rank: int, world: int) -> dict:
     _use_backend("pcie")
     out["active"] = is_active()
     cfg = _runner_config(1, 8, 2, 64)
-    disp = moe_layer.create_moe_dispatcher(cfg, None)
+    # outside a validated MoE block the hooked factory refuses, naming the caller
+    try:
+        moe_layer.create_moe_dispatcher(cfg, None)
+        out["unvalidated"] = "built"
+    except ValueError as exc:
+        out["unvalidated"] = str(exc)
+    disp = _validated_dispatcher(moe_layer, cfg)
     out["dispatcher"] = type(disp).__name__
     out["is_ours"] = isinstance(disp, PcieA2ADispatcher)
     out["hooked"] = hasattr(moe_layer.create_moe_dispatcher, "__wrapped__")
@@ -237,6 +256,8 @@ def test_plugin_loads_through_entry_point_and_parses():
     assert res["ep_pass"] == {"ep_size": 4}
     assert res["ep_pass_customized"] == {"ep_size": 4}
     assert res["active"] and res["is_ours"] and res["hooked"]
+    assert "builds a MoE layer under --moe-a2a-backend pcie" in res["unvalidated"]
+    assert "Qwen3MoeSparseMoeBlock" in res["unvalidated"]
     assert res["dispatcher"] == "PcieA2ADispatcher"
     assert res["complete"] is True and res["complete_tp"] is True
     assert res["marlin_fused"] == "fused_marlin"
@@ -269,7 +290,7 @@ def _dispatch_worker(rank: int, world: int, fmt: str, split: bool) -> dict:
     num_experts, top_k, hidden = 4 * world, 3, 64
     e_local = num_experts // world
     cfg = _runner_config(world, num_experts, top_k, hidden)
-    disp = moe_layer.create_moe_dispatcher(cfg, None)
+    disp = _validated_dispatcher(moe_layer, cfg)
     results = []
     try:
         for step in range(2):  # two layers' worth through the shared Buffer
@@ -383,7 +404,7 @@ def _int4_worker(rank: int, world: int) -> dict:
     cfg.layer = torch.nn.Module()
     attach_int4_experts(cfg.layer, _int4_experts(num_experts, hidden, inter, *_span(rank, e_local)))
     everything = _int4_experts(num_experts, hidden, inter, 0, num_experts)
-    disp = moe_layer.create_moe_dispatcher(cfg, None)
+    disp = _validated_dispatcher(moe_layer, cfg)
     runner = MoeRunner(MoeRunnerBackend.MARLIN, cfg)
     try:
         x, ids, w, _, _ = moe_problem(rank, world, num_experts, top_k, hidden, 3)

@@ -22,6 +22,7 @@ output owes no EP all-reduce (the plugin tells SGLang so).
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from typing import Any
 
@@ -45,6 +46,25 @@ from pcie_a2a.integrations import _common
 
 OUTPUT_FORMATS = ("standard", "deepep_normal", "deepep_ll")
 FORMAT_ENV = "PCIE_A2A_SGLANG_FORMAT"
+
+logger = logging.getLogger("pcie_a2a.integrations.sglang")
+_announced = False
+
+
+def capacity_from_server() -> int:
+    """Tokens per rank per MoE call the buffers hold: derived from the published server
+    arguments (``launch.capacity_tokens_per_rank``: chunked prefill per DP rank, running
+    requests, mixed chunks; ``PCIE_A2A_MAX_TOKENS_PER_RANK`` overrides), or the default
+    4096 outside a server (unit tests)."""
+    try:
+        from sglang.srt.runtime_context import get_server_args
+
+        server_args = get_server_args()
+    except Exception:  # no server published in this process
+        return _common.max_tokens_per_rank()
+    from pcie_a2a.integrations.sglang.launch import capacity_tokens_per_rank
+
+    return capacity_tokens_per_rank(server_args)
 
 
 def output_format_from_env() -> str:
@@ -98,13 +118,24 @@ class PcieA2ADispatcher(BaseDispatcher):
         self.params_dtype = getattr(cfg, "params_dtype", None)
         self._group = group
         self._group_resolved = group is not None
-        self._max_tokens = max_tokens_per_rank or _common.max_tokens_per_rank()
+        self._max_tokens = max_tokens_per_rank or capacity_from_server()
         # ids handed to the runner are already local: no global -> local mapping to apply
         self.local_expert_mapping = None
         self.expert_mask_gpu = None
         self._buffer = None
         self._pending: deque = deque()  # (handle, source device, dtype) per open dispatch
         self._stage: tuple | None = None  # dispatch_a/combine_a state for the _b halves
+        global _announced
+        if not _announced:
+            _announced = True
+            logger.info(
+                "pcie_a2a: MoE layers use PcieA2ADispatcher (format %s, %d experts, "
+                "%d per rank, buffers for %d tokens per rank)",
+                fmt,
+                self.num_experts,
+                self.num_local_experts,
+                self._max_tokens,
+            )
 
     # ---- buffer ------------------------------------------------------------------------
     @property

@@ -15,16 +15,20 @@ SGLang 0.5.2x has no registry of a2a backends, but its ``MoeA2ABackend`` enum ha
    MoE), and turns off ``FusedMoE``'s own ``reduce_results`` all-reduce for layers that use
    our dispatcher;
 5. registers a fused function for (``customized``, ``marlin``) so SGLang's Marlin runner
-   (INT4 GPTQ/AWQ/compressed-tensors MoE) constructs and runs on the received tokens:
-   pcie_a2a's ``moe_int4_mlp`` on the rows when the layer carries packed experts
-   (:func:`attach_int4_experts`), SGLang's Marlin kernel otherwise.
+   (INT4 GPTQ/AWQ/compressed-tensors MoE) constructs under our backend;
+6. makes the shared experts of the validated MoE blocks replicated and refuses any other
+   block on our dispatcher (``models.py``);
+7. routes the INT4 MoE schemes (compressed-tensors, GPTQ, AWQ) to ``moe_int4_mlp`` with
+   their weights converted after loading (``int4.py``);
+8. overrides SGLang's ``handle_a2a_moe`` resolution step: launch-time refusals, CUDA graphs
+   off, shared-experts fusion off, buffer capacity from the server's limits (``launch.py``).
 
-Set ``PCIE_A2A_SGLANG=0`` to keep the plugin installed but inert for ``customized``.
+Every hook checks :func:`is_active` first: with another backend selected, or with
+``PCIE_A2A_SGLANG=0``, SGLang runs its own code unchanged.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import logging
 import typing
@@ -53,11 +57,13 @@ def is_active() -> bool:
 def _create_moe_dispatcher(original, *args: Any, **kwargs: Any):
     if not is_active():
         return original(*args, **kwargs)
+    from pcie_a2a.integrations.sglang import models
     from pcie_a2a.integrations.sglang.dispatcher import PcieA2ADispatcher
 
     cfg = kwargs.get("moe_runner_config", args[0] if args else None)
     if cfg is None:
         raise TypeError("create_moe_dispatcher: no moe_runner_config")
+    models.check_block_building()
     return PcieA2ADispatcher(cfg)
 
 
@@ -82,14 +88,12 @@ def _missing_a2a_name(original, cls: Any, value: Any):
     return original(value) if inspect.ismethod(original) else original(cls, value)
 
 
-INT4_ATTR = "pcie_a2a_int4"
-
-
 def attach_int4_experts(layer: Any, experts: Any) -> None:
     """Gives a MoE layer this rank's routed experts in pcie_a2a's packed INT4 layout
     (a :class:`pcie_a2a.quant.PackedInt4Experts` of the *local* experts, on the layer's
-    device). The (customized, marlin) fused function then runs ``moe_int4_mlp`` on the
-    received rows instead of SGLang's Marlin kernel."""
+    device). Not needed for SGLang's INT4 schemes, whose loaded weights are converted
+    automatically (``int4.py``); for layers built some other way."""
+    from pcie_a2a.integrations.sglang.int4 import INT4_ATTR
     from pcie_a2a.quant import PackedInt4Experts
 
     if not isinstance(experts, PackedInt4Experts):
@@ -98,44 +102,29 @@ def attach_int4_experts(layer: Any, experts: Any) -> None:
 
 
 def fused_marlin(dispatch_output: Any, quant_info: Any, runner_config: Any):
-    """The fused function for (customized, marlin).
-
-    Our STANDARD output is pcie_a2a's rows format: received rows ``[R, H]``, local expert
-    ids (-1 = elsewhere) and fp32 weights. When the layer carries packed experts
-    (:func:`attach_int4_experts`), they go through ``pcie_a2a.quant.moe_int4_mlp``
-    (weighted, summed per row, exactly what combine takes); otherwise through SGLang's own
-    Marlin MoE with no global->local expert map (the ids are already local).
-    """
+    """The fused function for (customized, marlin): ``moe_int4_mlp`` on our STANDARD
+    output (rows, local expert ids with -1 elsewhere, fp32 weights) with the layer's
+    packed experts. SGLang's own Marlin kernel is never given our rows: it has not run
+    with rows whose ids are already local."""
     from sglang.srt.layers.moe.token_dispatcher.base import DispatchOutputChecker
-    from sglang.srt.layers.moe.token_dispatcher.standard import StandardCombineInput
+
+    from pcie_a2a.integrations.sglang.int4 import INT4_ATTR, run_rows
 
     if not DispatchOutputChecker.format_is_standard(dispatch_output):
         raise TypeError(
             "pcie_a2a: the Marlin runner needs the STANDARD dispatch format; unset "
             "PCIE_A2A_SGLANG_FORMAT or set it to 'standard'"
         )
-    experts = getattr(getattr(runner_config, "layer", None), INT4_ATTR, None)
-    if experts is not None:
-        import torch
-
-        from pcie_a2a.quant import moe_int4_mlp
-
-        t = dispatch_output.topk_output
-        y = moe_int4_mlp(
-            dispatch_output.hidden_states,
-            t.topk_ids.to(torch.int32),
-            t.topk_weights.to(torch.float32),
-            experts.w13,
-            experts.w2,
+    layer = getattr(runner_config, "layer", None)
+    if getattr(layer, INT4_ATTR, None) is None:
+        raise RuntimeError(
+            "pcie_a2a: an INT4 (Marlin) MoE layer reached the runner without pcie_a2a's "
+            "packed experts; its quantization scheme is not one the plugin converts "
+            "(compressed-tensors WNA16, GPTQ-Marlin, AWQ-Marlin)"
         )
-        return StandardCombineInput(hidden_states=y)
-    from sglang.srt.layers.moe.moe_runner.marlin import fused_experts_none_to_marlin
-
-    if dataclasses.is_dataclass(quant_info):
-        quant_info = dataclasses.replace(
-            quant_info, expert_map=None, global_num_experts=runner_config.num_local_experts
-        )
-    return fused_experts_none_to_marlin(dispatch_output, quant_info, runner_config)
+    if getattr(layer, "moe_runner_config", None) is None:
+        layer.moe_runner_config = runner_config
+    return run_rows(layer, dispatch_output)
 
 
 # ---- data patches (no hook API for module constants and CLI metadata) -----------------
@@ -209,6 +198,13 @@ def register() -> None:
         HookType.AROUND,
     )
     HookRegistry.register(f"{_T_LAYER}.FusedMoE.__init__", _fused_moe_init, HookType.AFTER)
+    from pcie_a2a.integrations.sglang import int4, launch, models
+
+    for target, hook in models.hook_targets() + int4.hook_targets():
+        HookRegistry.register(target, hook, HookType.AROUND)
+    from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
+
+    register_resolution_hook("handle_a2a_moe")(launch.handle_a2a_moe)
     _registered = True
     logger.info(
         "pcie_a2a SGLang backend registered (sglang %s): select it with "

@@ -1,0 +1,166 @@
+"""Launch-time resolution for ``--moe-a2a-backend pcie``: what is adjusted, what is refused.
+
+Registered as an override of SGLang's ``handle_a2a_moe`` resolution step (SGLang's own
+plugin seam, ``arg_groups.resolution_hooks``), so it runs in the launcher right after
+SGLang resolved the a2a settings and before any scheduler process starts: whatever this
+backend cannot do fails here with a message naming the flag, not at the first forward.
+
+Adjusted (with a log line each):
+
+* CUDA graphs off for prefill and decode: this release's dispatch reads the per-rank
+  counts on the host (and stages tokens through host memory), which cannot be captured.
+* shared-experts fusion off (``--disable-shared-experts-fusion``): the shared expert runs
+  as its own replicated MLP on every rank (see ``models.py``).
+
+Refused: an unvalidated model architecture, two-batch / single-batch overlap, EPLB and
+redundant experts, chunked prefill turned off, a ``PCIE_A2A_MAX_TOKENS_PER_RANK`` below
+what the server's own limits let one rank pass to one MoE call.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from pcie_a2a import env
+
+logger = logging.getLogger("pcie_a2a.integrations.sglang")
+
+NAMES = ("pcie", "customized")
+
+#: SGLang's bound on one DP worker's running requests when ``--max-running-requests`` is
+#: unset at model construction (the value it sizes the FlashInfer a2a workspace with).
+DEFAULT_DECODE_TOKENS = 4096
+
+
+def _view(server_args: Any):
+    from sglang.srt.arg_groups.overrides import resolved_view
+
+    return resolved_view(server_args)
+
+
+def selected(server_args: Any) -> bool:
+    return env.sglang_enabled() and _view(server_args).moe_a2a_backend in NAMES
+
+
+def required_tokens_per_rank(server_args: Any) -> int:
+    """The most tokens one DP rank can pass to one MoE call under these server limits:
+    a prefill chunk (SGLang's own prefill-buffer ceiling, per DP rank), a decode batch
+    (``--max-running-requests`` per DP rank, or SGLang's 4096 bound, times the draft
+    tokens per request under speculative decoding), or both with ``--enable-mixed-chunk``.
+    CUDA graphs are off under this backend, so no graph batch size adds to it."""
+    from sglang.srt.arg_groups.overrides import (
+        max_prefill_buffer_tokens,
+        max_speculative_num_draft_tokens,
+    )
+
+    view = _view(server_args)
+    prefill = 0 if view.disaggregation_mode == "decode" else max_prefill_buffer_tokens(server_args)
+    if view.max_running_requests is not None:
+        reqs = max(1, view.max_running_requests // max(1, view.attn_dp_size))
+    else:
+        reqs = DEFAULT_DECODE_TOKENS
+    per_req = 1
+    if view.speculative_algorithm:
+        per_req = max_speculative_num_draft_tokens(server_args) or 1
+    decode = 0 if view.disaggregation_mode == "prefill" else reqs * per_req
+    if view.enable_mixed_chunk:
+        return max(1, prefill + decode)
+    return max(1, prefill, decode)
+
+
+def capacity_tokens_per_rank(server_args: Any) -> int:
+    """Buffer capacity for this server: ``PCIE_A2A_MAX_TOKENS_PER_RANK`` when set (it
+    must cover :func:`required_tokens_per_rank`), else the requirement itself."""
+    required = required_tokens_per_rank(server_args)
+    return env.max_tokens_per_rank(required)
+
+
+def _refuse(flag: str, why: str) -> None:
+    raise ValueError(f"pcie_a2a: {flag} is not supported with --moe-a2a-backend pcie: {why}")
+
+
+def validate(server_args: Any) -> list[str]:
+    """Checks and adjustments for a server that selected our backend. Returns the log
+    lines it emitted (also logged)."""
+    from sglang.srt.arg_groups.overrides import declare_resolution, model_config_of
+    from sglang.srt.model_executor.cuda_graph_config import Backend, Phase, with_phase
+
+    from pcie_a2a.integrations.sglang import models
+
+    view = _view(server_args)
+    said: list[str] = []
+
+    def say(msg: str) -> None:
+        said.append(msg)
+        logger.info(msg)
+
+    models.check_architectures(model_config_of(server_args).hf_config.architectures)
+    if view.enable_two_batch_overlap:
+        _refuse(
+            "--enable-two-batch-overlap",
+            "the dispatcher runs each call synchronously and keeps one in-flight state "
+            "per layer, not one per sub-batch",
+        )
+    if view.enable_single_batch_overlap:
+        _refuse(
+            "--enable-single-batch-overlap",
+            "combine cannot overlap the down projection in this release",
+        )
+    if view.enable_eplb:
+        _refuse("--enable-eplb", "expert rebalancing has not been tested end to end here")
+    if view.ep_num_redundant_experts:
+        _refuse(
+            f"--ep-num-redundant-experts {view.ep_num_redundant_experts}",
+            "redundant (physical) experts have not been tested end to end here",
+        )
+    if view.init_expert_location not in (None, "", "trivial"):
+        _refuse(
+            f"--init-expert-location {view.init_expert_location}",
+            "only SGLang's trivial (contiguous) expert placement is supported",
+        )
+    if view.disaggregation_mode != "decode" and (view.chunked_prefill_size or 0) <= 0:
+        _refuse(
+            f"--chunked-prefill-size {view.chunked_prefill_size}",
+            "the buffers are sized for one prefill chunk per rank; keep chunked prefill on",
+        )
+    required = required_tokens_per_rank(server_args)
+    capacity = env.max_tokens_per_rank(required)
+    if capacity < required:
+        raise ValueError(
+            f"pcie_a2a: PCIE_A2A_MAX_TOKENS_PER_RANK={capacity} is below the {required} "
+            "tokens one rank can pass to one MoE call with these server limits "
+            "(--chunked-prefill-size per DP rank, --max-running-requests per DP rank, "
+            f"--enable-mixed-chunk); raise it to at least {required} or unset it"
+        )
+    if not view.disable_shared_experts_fusion:
+        declare_resolution(server_args, "pcie_a2a", disable_shared_experts_fusion=True)
+        say(
+            "pcie_a2a: --disable-shared-experts-fusion is set automatically: shared "
+            "experts run replicated on every rank under --moe-a2a-backend pcie"
+        )
+    cg = view.cuda_graph_config
+    if cg is not None and (
+        cg.decode.backend != Backend.DISABLED or cg.prefill.backend != Backend.DISABLED
+    ):
+        cg = with_phase(cg, Phase.DECODE, backend=Backend.DISABLED)
+        cg = with_phase(cg, Phase.PREFILL, backend=Backend.DISABLED)
+        declare_resolution(server_args, "pcie_a2a", cuda_graph_config=cg)
+        say(
+            "pcie_a2a: CUDA graphs are disabled (prefill and decode) under "
+            "--moe-a2a-backend pcie: dispatch reads per-rank token counts on the host"
+        )
+    say(
+        f"pcie_a2a: --moe-a2a-backend pcie active: EP over the TP group ({view.tp_size} "
+        f"ranks, attention DP {view.attn_dp_size}), buffers for {capacity} tokens per rank "
+        f"per MoE call (needed: {required})"
+    )
+    return said
+
+
+def handle_a2a_moe(server_args: Any, previous) -> None:
+    """Override of SGLang's ``handle_a2a_moe`` step: SGLang's step first, then ours
+    when our backend is selected (other backends: untouched)."""
+    previous(server_args)
+    if selected(server_args):
+        validate(server_args)
