@@ -29,9 +29,10 @@ HERE = Path(__file__).resolve().parent
 CLI = HERE / "vllm_cli.py"
 PYTHON_ENV = "PCIE_A2A_VLLM_CPU_PYTHON"
 
-# Runs the server in a private tmpfs /dev/shm. When the server has exited this shell stays
-# (bounded) until the test has waited for the rest of the session (resource trackers clean
-# up after the main process) and listed the tmpfs through nsenter, then says "go".
+# Runs the server in a private tmpfs /dev/shm. When the server has exited, the session
+# leader becomes a bounded `sleep` (exec: same pid, no extra process) that keeps the mount
+# namespace alive until the test has waited for the rest of the session (resource trackers
+# clean up after the main process) and listed the tmpfs through nsenter.
 _PRIVATE_SHM = r"""
 mount -t tmpfs -o size=2g,mode=1777 pcie_a2a_test /dev/shm || exit 97
 "$@" &
@@ -40,9 +41,8 @@ trap 'kill -INT "$child" 2>/dev/null' INT TERM
 rc=0
 while kill -0 "$child" 2>/dev/null; do wait "$child"; rc=$?; done
 echo "$rc" > "$PCIE_A2A_TEST_EXITED"
-n=0
-while [ ! -e "$PCIE_A2A_TEST_GO" ] && [ "$n" -lt 1200 ]; do sleep 0.1; n=$((n + 1)); done
-exit "$rc"
+trap - INT TERM
+exec sleep 120
 """
 
 
@@ -99,7 +99,6 @@ class VllmServer:
         self.proc: subprocess.Popen | None = None
         self.private_shm = can_use_private_shm()
         self.exited_mark = log.with_suffix(".exited")
-        self.go_mark = log.with_suffix(".go")
         self.report: dict = {}
 
     # ---- lifecycle ---------------------------------------------------------------------
@@ -120,7 +119,6 @@ class VllmServer:
         cmd = self.cmd
         if self.private_shm:
             self.env["PCIE_A2A_TEST_EXITED"] = str(self.exited_mark)
-            self.env["PCIE_A2A_TEST_GO"] = str(self.go_mark)
             cmd = ["unshare", "-m", "sh", "-c", _PRIVATE_SHM, "sh", *self.cmd]
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.t_start = time.monotonic()
@@ -195,7 +193,8 @@ class VllmServer:
                 else [f"<nsenter failed: {listing.stderr.strip()}>"]
             )
             self.report["shm_scope"] = "private tmpfs"
-            self.go_mark.touch()
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(sid, signal.SIGTERM)  # the sleep holding the namespace
         else:
             new = _shm_names() - self._shm_before
             self.report["shm_left"] = sorted(n for n in new if n.startswith(("psm_", "pcie_a2a")))
