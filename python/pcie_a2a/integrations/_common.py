@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from pcie_a2a import env
 from pcie_a2a.buffer import Buffer
+from pcie_a2a.placement import Placement
 
 DEFAULT_MAX_TOKENS_PER_RANK = 4096
 
@@ -76,15 +77,18 @@ def shared_buffer(
     num_topk: int,
     dtype: torch.dtype,
     max_tokens: int,
+    placement: Placement | None = None,
 ) -> Buffer:
-    """One Buffer per (group, shape) and process, shared by every MoE layer: layers run one
-    after another, so they can reuse the same regions (as DeepEP's one global buffer).
+    """One Buffer per (group, shape, placement) and process, shared by every MoE layer:
+    layers run one after another, so they can reuse the same regions (as DeepEP's one
+    global buffer). ``placement`` None: contiguous blocks.
 
     Creating it is collective over ``group``: every rank must ask for the same key in the
     same order (true for layers built and run in model order).
     """
     pay = payload() or {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "bf16")
-    key = (id(group), num_experts, hidden, num_topk, dtype, max_tokens, pay)
+    where = None if placement is None else tuple(tuple(r) for r in placement.replicas)
+    key = (id(group), num_experts, hidden, num_topk, dtype, max_tokens, pay, where)
     with _LOCK:
         buf = _BUFFERS.get(key)
         if buf is None:
@@ -96,6 +100,7 @@ def shared_buffer(
                 dtype=dtype,
                 payload=pay,
                 num_topk=num_topk,
+                placement=placement,
             )
             _BUFFERS[key] = buf
         return buf

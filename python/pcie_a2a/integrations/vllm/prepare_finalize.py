@@ -1,20 +1,37 @@
-"""``PcieA2APrepareAndFinalize``: vLLM 0.33's ``FusedMoEPrepareAndFinalizeModular`` on a
-pcie_a2a ``Buffer`` (Standard activation format).
+"""``PcieA2APrepareAndFinalize``: vLLM's ``FusedMoEPrepareAndFinalizeModular`` (0.32/0.33
+contract) on a pcie_a2a ``Buffer`` (Standard activation format).
 
 prepare: each DP rank sends its tokens once to every EP rank holding one of their experts
-and returns the received rows ``[R, H]`` with their top-k ids in vLLM's *global* expert
-space (slots routed elsewhere point at an expert that is not on this rank, with weight 0,
-so the layer's ``expert_map`` maps them to -1, as vLLM's DeepEP high-throughput path
-does) plus per-local-expert token counts. Any Standard-format experts run on that, e.g.
-``MarlinExperts`` for INT4 (GPTQ/AWQ/compressed-tensors) checkpoints.
+and returns the received rows ``[R, H]``, their top-k ids and weights, and per-local-expert
+token counts. Where each expert lives is the layer's ``expert_map`` (gathered from every EP
+rank when the Buffer is made), so any placement vLLM builds (linear, round robin, uneven
+splits) routes right; a map that later disagrees with it is refused. The ids are handed to
+the experts in the space *they* index with:
+
+- experts that read ``expert_map`` (vLLM's GPU experts: Triton, Marlin, CUTLASS, ...) get
+  global ids; a slot routed to another rank points at an expert that is not on this rank,
+  with weight 0, so ``expert_map`` turns it into -1 (vLLM's DeepEP high-throughput
+  convention);
+- experts that do not (vLLM's CPU experts, and any whose ``supports_expert_map()`` is
+  false) index their local weights directly: they get local ids, and a slot routed
+  elsewhere points at local expert 0 with weight 0 (it costs a wasted row, never a wrong
+  one).
+
+The choice is made in ``post_init_setup`` (vLLM calls it with the experts when it builds
+the ``FusedMoEKernel``). Ids keep the router's dtype. Activation quantization runs after
+the dispatch, exactly as vLLM's no-EP path quantizes (``a1_gscale`` for NVFP4, the
+experts' scale layout), so scales never cross the wire.
 
 finalize: applies the router weights and the top-k reduction on this rank (unless the
 experts already did), sends each row back to its source, and writes the fp32 sum over the
-token's ranks into ``output`` in place.
+token's ranks into ``output`` in place (``output_is_reduced()``).
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
+import logging
 from collections import deque
 from typing import Any
 
@@ -28,6 +45,11 @@ from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import (
 )
 
 from pcie_a2a.integrations import _common
+from pcie_a2a.placement import Placement
+
+logger = logging.getLogger("vllm.pcie_a2a")
+
+EXPERT_ID_SPACES = ("auto", "global", "local")
 
 
 def default_group() -> dist.ProcessGroup | None:
@@ -44,6 +66,18 @@ def default_group() -> dist.ProcessGroup | None:
     return None
 
 
+def experts_read_expert_map(fused_experts: Any = None) -> bool:
+    """Whether these experts (None: the platform's usual ones) map global ids through
+    ``expert_map`` (True) or index their local weights with the ids as given (False)."""
+    declared = getattr(fused_experts, "supports_expert_map", None)
+    if callable(declared):
+        return bool(declared())
+    from vllm.platforms import current_platform
+
+    # vLLM's CPU experts (experts/cpu_moe.py) never read expert_map
+    return not current_platform.is_cpu()
+
+
 def weight_and_reduce(
     fused_expert_output: torch.Tensor,
     topk_weights: torch.Tensor,
@@ -57,6 +91,53 @@ def weight_and_reduce(
     return y.sum(dim=1).to(fused_expert_output.dtype)
 
 
+@functools.cache
+def _quantize_kwargs() -> frozenset[str]:
+    from vllm.model_executor.layers.fused_moe.utils import moe_kernel_quantize_input
+
+    return frozenset(inspect.signature(moe_kernel_quantize_input).parameters)
+
+
+def quantize_input(a: torch.Tensor, quant_config: Any) -> tuple[torch.Tensor, Any]:
+    """The received rows quantized as vLLM's no-EP prepare quantizes its input."""
+    from vllm.model_executor.layers.fused_moe import utils
+
+    nvfp4 = bool(getattr(quant_config, "use_nvfp4_w4a4", False))
+    kwargs = dict(
+        quant_dtype=quant_config.quant_dtype,
+        per_act_token_quant=quant_config.per_act_token_quant,
+        block_shape=quant_config.block_shape,
+    )
+    accepted = _quantize_kwargs()
+    for name in ("is_scale_swizzled", "is_scale_transposed", "mx_alignment"):
+        if name in accepted and hasattr(quant_config, name):
+            kwargs[name] = getattr(quant_config, name)
+    scale = quant_config.a1_gscale if nvfp4 else quant_config.a1_scale
+    return utils.moe_kernel_quantize_input(a, scale, **kwargs)
+
+
+def placement_from_expert_maps(maps: list[list[int]], num_experts: int) -> Placement:
+    """Every rank's ``expert_map`` (global id -> local index, -1 = elsewhere) as one
+    Placement; each expert must live on exactly one rank."""
+    replicas: list[list[tuple[int, int]]] = [[] for _ in range(num_experts)]
+    for rank, local_map in enumerate(maps):
+        if len(local_map) != num_experts:
+            raise ValueError(
+                f"pcie_a2a: rank {rank}'s expert_map has {len(local_map)} entries, the layer "
+                f"has {num_experts} experts"
+            )
+        for expert, local in enumerate(local_map):
+            if local >= 0:
+                replicas[expert].append((rank, int(local)))
+    for expert, reps in enumerate(replicas):
+        if len(reps) != 1:
+            raise ValueError(
+                f"pcie_a2a: expert {expert} is held by {len(reps)} ranks "
+                f"({[r for r, _ in reps]}); exactly one is supported (no redundant experts)"
+            )
+    return Placement(replicas, len(maps))
+
+
 class PcieA2APrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
     def __init__(
         self,
@@ -66,31 +147,60 @@ class PcieA2APrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         *,
         group: dist.ProcessGroup | None = None,
         max_tokens_per_rank: int | None = None,
+        expert_ids: str = "auto",
     ):
         super().__init__()
+        if expert_ids not in EXPERT_ID_SPACES:
+            raise ValueError(
+                f"expert_ids: got {expert_ids!r}; allowed: {', '.join(EXPERT_ID_SPACES)}"
+            )
         self.num_experts = int(num_experts)
         self.num_local_experts = int(num_local_experts)
         self.top_k = int(top_k)
+        self.max_tokens = int(max_tokens_per_rank or _common.max_tokens_per_rank())
+        self.expert_ids = expert_ids  # "auto": decided by post_init_setup (or prepare)
         self._group = group
         self._group_resolved = group is not None
-        self._max_tokens = max_tokens_per_rank or _common.max_tokens_per_rank()
         self._buffer = None
+        self._local_to_global: torch.Tensor | None = None  # + an off-rank expert last
+        self._local_map: list[int] | None = None  # this rank's expert_map, as built
+        self._map_checked: torch.Tensor | None = None
         self._pending: deque = deque()
 
     @classmethod
     def from_moe_config(cls, moe: Any) -> PcieA2APrepareAndFinalize:
+        """One per MoE layer; sized from the server's own limits: a rank never passes more
+        than ``--max-num-batched-tokens`` tokens to one MoE call (nor more than the largest
+        CUDA graph size)."""
         pc = moe.moe_parallel_config
         if getattr(pc, "enable_eplb", False):
             raise ValueError(
                 "pcie_a2a: EPLB (redundant experts) is not supported by the pcie_a2a "
                 "prepare/finalize; drop --enable-eplb or unset PCIE_A2A_VLLM"
             )
-        mtpr = max(int(getattr(moe, "max_num_tokens", 0) or 0), _common.DEFAULT_MAX_TOKENS_PER_RANK)
+        in_dtype = getattr(moe, "in_dtype", torch.bfloat16)
+        if in_dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(
+                f"pcie_a2a: the MoE activations are {in_dtype}; pcie_a2a moves bfloat16 or "
+                "float16 rows: pass --dtype bfloat16 (or float16) or unset PCIE_A2A_VLLM"
+            )
+        need = max(
+            int(getattr(moe, "max_num_tokens", 0) or 0),
+            int(getattr(moe, "max_capture_size", 0) or 0),
+            1,
+        )
+        cap = _common.max_tokens_per_rank(need)
+        if cap < need:
+            raise ValueError(
+                f"pcie_a2a: PCIE_A2A_MAX_TOKENS_PER_RANK={cap} is below what one MoE call can "
+                f"carry on this server ({need} tokens: --max-num-batched-tokens / the "
+                f"largest CUDA graph size); raise it to at least {need} or unset it"
+            )
         return cls(
             moe.num_experts,
             moe.num_local_experts,
             moe.experts_per_token,
-            max_tokens_per_rank=_common.max_tokens_per_rank(mtpr),
+            max_tokens_per_rank=cap,
         )
 
     # ---- the contract's static answers ---------------------------------------------------
@@ -99,7 +209,7 @@ class PcieA2APrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         return mk.FusedMoEActivationFormat.Standard
 
     def topk_indices_dtype(self) -> torch.dtype | None:
-        return torch.int64
+        return None  # any: prepare hands the ids back in the router's dtype
 
     def max_num_tokens_per_rank(self) -> int | None:
         return None
@@ -113,6 +223,16 @@ class PcieA2APrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
     def supports_async(self) -> bool:
         return False
 
+    def supports_dbo(self) -> bool:
+        return False  # refused at launch (launch.resolve)
+
+    def post_init_setup(self, fused_experts: Any) -> None:
+        if self.expert_ids == "auto":
+            self.expert_ids = "global" if experts_read_expert_map(fused_experts) else "local"
+            logger.debug(
+                "pcie_a2a: %s gets %s expert ids", type(fused_experts).__name__, self.expert_ids
+            )
+
     # ---- buffer ----------------------------------------------------------------------------
     @property
     def group(self) -> dist.ProcessGroup | None:
@@ -121,18 +241,59 @@ class PcieA2APrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
             self._group_resolved = True
         return self._group
 
-    def buffer(self, hidden: int, dtype: torch.dtype):
-        if self._buffer is None:
-            world = dist.get_world_size(self.group)
+    def _placement(self, expert_map: torch.Tensor | None, world: int) -> Placement:
+        """Collective over the EP group when ``expert_map`` is given (every rank makes its
+        Buffer in the same layer, on the same forward)."""
+        if expert_map is None:
             if self.num_experts != self.num_local_experts * world:
                 raise ValueError(
                     f"pcie_a2a: {self.num_experts} experts with {self.num_local_experts} "
                     f"per rank do not match an EP group of {world} ranks"
                 )
+            return Placement.contiguous(self.num_experts, world)
+        local_map = [int(v) for v in expert_map.tolist()]
+        maps: list[Any] = [None] * world
+        dist.all_gather_object(maps, local_map, group=self.group)
+        return placement_from_expert_maps(maps, self.num_experts)
+
+    def buffer(self, hidden: int, dtype: torch.dtype, expert_map: torch.Tensor | None = None):
+        if self._buffer is None:
+            world = dist.get_world_size(self.group)
+            rank = dist.get_rank(self.group)
+            placement = self._placement(expert_map, world)
+            if placement.num_local_experts(rank) != self.num_local_experts:
+                raise ValueError(
+                    f"pcie_a2a: expert_map puts {placement.num_local_experts(rank)} experts "
+                    f"on EP rank {rank}, the layer holds {self.num_local_experts}"
+                )
             self._buffer = _common.shared_buffer(
-                self.group, self.num_experts, hidden, self.top_k, dtype, self._max_tokens
+                self.group,
+                self.num_experts,
+                hidden,
+                self.top_k,
+                dtype,
+                self.max_tokens,
+                placement=placement,
             )
+            local = placement.local_experts(rank)
+            here = set(local)
+            elsewhere = next((e for e in range(self.num_experts) if e not in here), 0)
+            self._local_to_global = torch.tensor([*local, elsewhere], dtype=torch.int64)
+            self._local_map = [-1] * self.num_experts
+            for idx, expert in enumerate(local):
+                self._local_map[expert] = idx
+        self._check_expert_map(expert_map)
         return self._buffer
+
+    def _check_expert_map(self, expert_map: torch.Tensor | None) -> None:
+        if expert_map is None or expert_map is self._map_checked:
+            return
+        if [int(v) for v in expert_map.tolist()] != self._local_map:
+            raise ValueError(
+                "pcie_a2a: this layer's expert_map differs from the placement the buffers "
+                "were built for (experts moved at run time, e.g. by EPLB); not supported"
+            )
+        self._map_checked = expert_map
 
     # ---- prepare / finalize ----------------------------------------------------------------
     def prepare(
@@ -156,28 +317,23 @@ class PcieA2APrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
             a1 = a1 * topk_weights.to(a1.dtype)
         _common.check_topk_ids_width(self.top_k, topk_ids.shape[1], "vllm")
         x = _common.to_host(a1, "hidden_states").contiguous()
-        ids = _common.to_host(topk_ids, "topk_ids").to(torch.int64).contiguous()
+        ids = _common.to_host(topk_ids, "topk_ids").contiguous()
         w = _common.to_host(topk_weights, "topk_weights").to(torch.float32).contiguous()
-        buf = self.buffer(x.shape[1], x.dtype)
+        buf = self.buffer(x.shape[1], x.dtype, expert_map)
+        if self.expert_ids == "auto":  # built outside a FusedMoEKernel
+            self.expert_ids = "global" if experts_read_expert_map() else "local"
         res = _common.dispatch(buf, x, ids, w)
         self._pending.append(res.handle)
-        offset = buf.rank * self.num_local_experts
-        off_rank = self.num_experts - 1 if offset == 0 else 0
-        local = res.topk_ids.to(torch.int64)
-        gids = torch.where(local < 0, torch.full_like(local, off_rank), local + offset)
+        local = res.topk_ids  # int32 local index on this rank, -1: routed elsewhere
+        if self.expert_ids == "local":
+            out_ids = local.clamp(min=0)  # weight 0 on those slots
+        else:
+            out_ids = self._local_to_global[local.long()]  # -1 -> the off-rank expert
         rx = res.x.to(device)
         scale = None
-        quant_dtype = getattr(quant_config, "quant_dtype", None)
-        if quant_dtype is not None and not defer_input_quant and rx.numel():
-            from vllm.model_executor.layers.fused_moe.utils import moe_kernel_quantize_input
-
-            rx, scale = moe_kernel_quantize_input(
-                rx,
-                quant_config.a1_scale,
-                quant_dtype=quant_dtype,
-                per_act_token_quant=quant_config.per_act_token_quant,
-                block_shape=quant_config.block_shape,
-            )
+        quantize = getattr(quant_config, "quant_dtype", None) is not None
+        if quantize and not defer_input_quant and rx.numel():
+            rx, scale = quantize_input(rx, quant_config)
         if device.type == "cpu":  # make_from_list pins host memory, which needs a GPU
             counts = res.tokens_per_expert.to(torch.int32)
             meta = mk.ExpertTokensMetadata(
@@ -185,7 +341,13 @@ class PcieA2APrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
             )
         else:
             meta = mk.ExpertTokensMetadata.make_from_list(res.tokens_per_expert_list, device=device)
-        return rx, scale, meta, gids.to(device), res.topk_weights.to(device)
+        return (
+            rx,
+            scale,
+            meta,
+            out_ids.to(device=device, dtype=topk_ids.dtype),
+            res.topk_weights.to(device=device, dtype=topk_weights.dtype),
+        )
 
     def finalize(
         self,
