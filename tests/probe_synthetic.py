@@ -210,6 +210,14 @@ def _links(topo: Topology, gpu: float, uplink: float, socket: float) -> dict[str
     return cap
 
 
+def _load_fixture(fixtures, name: str):
+    """The fixture's topology, its source named relative to shared/ so that the committed
+    records do not depend on where the checkout lives."""
+    from pcie_a2a.topology import load
+
+    return dataclasses.replace(load(fixtures / name), source=f"shared/fixtures/topology/{name}")
+
+
 def broadcom_box(fixtures) -> BoxModel:
     """ASUS ESC8000A-E13P: 8x RTX PRO 6000, 2x EPYC 9575F, 4 partitioned Broadcom PEX890xx
     switches of 2 GPUs (shared/fixtures/topology/8x-rtxpro6000-dual-epyc9575f-broadcom-
@@ -218,10 +226,8 @@ def broadcom_box(fixtures) -> BoxModel:
     stores. Patterns: a switch writing into one root complex 36.8 GB/s, into two 2.7,
     reading 51.1; the 56-flow all-to-all writing 36.5, reading 53.9 (field_2026 s4).
     Kernel-issued and copy-engine rates agree (no driver staging on switch boxes)."""
-    from pcie_a2a.topology import load
-
     name = "8x-rtxpro6000-dual-epyc9575f-broadcom-pex890xx.topo.txt"
-    topo = roots.with_vendor_hints(load(fixtures / name), cpu="amd", switch="broadcom")
+    topo = roots.with_vendor_hints(_load_fixture(fixtures, name), cpu="amd", switch="broadcom")
     buses = ["0000:11:00.0", "0000:12:00.0", "0000:71:00.0", "0000:72:00.0",
              "0000:81:00.0", "0000:82:00.0", "0000:f1:00.0", "0000:f2:00.0"]  # fmt: skip
     topo = with_bus_ids(topo, buses)
@@ -267,10 +273,8 @@ def direct_attach_box(fixtures) -> BoxModel:
     field_2026 s5: ~15x slower than the copy engine). Copy-engine rates: half the published
     bidirectional figures (112.3 same socket, 75-88 across); kernel stores/loads 1/15 of
     them; latencies through system memory."""
-    from pcie_a2a.topology import load
-
     topo = roots.with_vendor_hints(
-        load(fixtures / "8x-rtxpro6000-dual-epyc9124-direct.topo.txt"), cpu="amd"
+        _load_fixture(fixtures, "8x-rtxpro6000-dual-epyc9124-direct.topo.txt"), cpu="amd"
     )
     buses = [f"0000:{b}:00.0" for b in ("01", "21", "41", "61", "81", "a1", "c1", "e1")]
     topo = with_bus_ids(topo, buses)
