@@ -35,7 +35,7 @@ REFUSED = [
     (Config(8, 1, 8, 8, "a2a-nccl"), "kimi-k2.6", 8, "sglang", "no NCCL all-to-all"),
     (Config(8, 1, 8, 8, "a2a-nccl"), "kimi-k2.6", 8, "vllm", "#42254"),
     (Config(8, ep=8, comm="pcie_a2a"), "kimi-k2.6", 8, "vllm", "--data-parallel-size > 1"),
-    (Config(8, ep=8, comm="pcie_a2a"), "kimi-k2.6", 8, "sglang", "planned with DP attention"),
+    (Config(8, ep=8, comm="ag-rs"), "kimi-k2.6", 8, "sglang", "planned with DP attention"),
     (Config(8, 1, 8, 8, "pcie_a2a", 16), "kimi-k2.6", 8, "both", "redundant"),
     (Config(8, ep=4, comm="allreduce"), "kimi-k2.6", 8, "vllm", "no MoE TP inside EP"),
     (Config(8, 1, 2, 8, "allreduce"), "kimi-k2.6", 8, "sglang", "the TP-attention layout"),
@@ -58,6 +58,7 @@ ACCEPTED = [
     (Config(8, ep=4, comm="allreduce"), "sglang"),  # MoE TP 2 inside EP 4
     (Config(8, 1, 8, 8, "ag-rs"), "both"),
     (Config(8, 1, 4, 8, "pcie_a2a"), "both"),
+    (Config(8, ep=8, comm="pcie_a2a"), "sglang"),  # TP attention: SGLang scatters the batch
     (Config(4, 2), "both"),
     (Config(1, 8), "both"),
 ]

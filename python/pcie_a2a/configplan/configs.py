@@ -13,8 +13,10 @@ inside a rank). ``comm`` says how tokens meet their experts:
                (SGLang DP attention with a2a ``none``; vLLM's ``allgather_reducescatter``).
 ``a2a-nccl``   DP attention + EP: NCCL ``all_to_all_single`` dispatch and combine, one row
                per (token, expert), bf16 both ways.
-``pcie_a2a``   DP attention + EP: this package's dispatch/combine (a row per (token, rank),
-               fp8 or bf16 out, bf16 pre-reduced back).
+``pcie_a2a``   EP with this package's dispatch/combine (a row per (token, rank), fp8 or bf16
+               out, bf16 pre-reduced back). With DP attention each rank sends its own
+               tokens; with TP attention (SGLang only) SGLang scatters the batch over the TP
+               ranks before the MoE and gathers the outputs after it.
 =============  ================================================================================
 """
 
@@ -103,6 +105,7 @@ def candidates(num_gpus: int, redundant: int = 0, payload: str = "fp8") -> list[
         out += [Config(tp, pp, 1, tp, "allreduce", r) for r in slots]
         if pp > 1:
             continue
+        out += [Config(tp, 1, 1, tp, "pcie_a2a", r, payload) for r in slots]  # TP attention
         for dp in _divisors(tp)[1:]:
             for comm in ("ag-rs", "a2a-nccl", "pcie_a2a"):
                 out += [Config(tp, 1, dp, tp, comm, r, payload) for r in slots]
@@ -112,7 +115,6 @@ def candidates(num_gpus: int, redundant: int = 0, payload: str = "fp8") -> list[
             Config(2 * n, 1, tried=True),  # more GPUs than the box has
             Config(n, 1, 1, 3, "allreduce", tried=True),  # --ep 3 inside --tp n
             Config(n, 1, 3, n, "ag-rs", tried=True),  # --dp 3 inside --tp n
-            Config(n, 1, 1, n, "pcie_a2a", tried=True),  # pcie_a2a without DP attention
         ]
         if n % 3 and n > 6:
             out.append(Config(6, 1, tried=True))  # 6 of the GPUs

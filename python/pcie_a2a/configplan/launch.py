@@ -8,7 +8,7 @@ import json
 import shlex
 
 from .configs import Config
-from .memory import PCIE_A2A_MAX_TOKENS
+from .memory import PCIE_A2A_MAX_TOKENS, a2a_tokens_per_rank
 
 
 def _model_arg(model_id: str) -> str:
@@ -28,7 +28,7 @@ def sglang(cfg: Config, model_id: str, context: int, kv_fp8: bool, chunk: int) -
         args += ["--disable-cuda-graph"]  # the backend reads counts on the host (docs/sglang.md)
         if cfg.payload == "fp8":
             env.append("PCIE_A2A_PAYLOAD=fp8")
-        per_rank = chunk // max(cfg.attn_dp, 1)
+        per_rank = a2a_tokens_per_rank("sglang", cfg, chunk)
         if per_rank > PCIE_A2A_MAX_TOKENS:
             env.append(f"PCIE_A2A_MAX_TOKENS_PER_RANK={per_rank}")
     elif cfg.ep > 1:

@@ -51,12 +51,19 @@ class Memory:
         return s + f": out of memory by {-self.kv_free / g:.1f} GiB"
 
 
+def a2a_tokens_per_rank(framework: str, cfg: Config, chunk: int) -> int:
+    """Tokens one rank passes to dispatch in a prefill chunk: SGLang divides the chunk over
+    its DP ranks, and with TP attention scatters it over the TP ranks before the MoE; vLLM's
+    DP engines each take a whole chunk."""
+    if framework != "sglang":
+        return chunk
+    return -(-chunk // (cfg.attn_dp if cfg.attn_dp > 1 else cfg.tp))
+
+
 def pcie_a2a_tokens(stack: Stack, cfg: Config, chunk: int) -> int:
     """Tokens per rank pcie_a2a's buffers are sized for: the default, raised to what one
-    rank passes in a prefill chunk (SGLang divides the chunk over DP ranks; vLLM's DP
-    engines each take a whole chunk), as the launch lines set PCIE_A2A_MAX_TOKENS_PER_RANK."""
-    per_rank = chunk // cfg.attn_dp if stack.framework == "sglang" else chunk
-    return max(PCIE_A2A_MAX_TOKENS, per_rank)
+    rank passes in a prefill chunk, as the launch lines set PCIE_A2A_MAX_TOKENS_PER_RANK."""
+    return max(PCIE_A2A_MAX_TOKENS, a2a_tokens_per_rank(stack.framework, cfg, chunk))
 
 
 def stage_layers(model: ModelShape, pp: int) -> list[tuple[int, int]]:

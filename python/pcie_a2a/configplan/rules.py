@@ -74,7 +74,9 @@ def sglang_reasons(cfg: Config) -> list[str]:
             "SGLang 0.5.23 has no NCCL all-to-all MoE backend (--moe-a2a-backend choices: none, "
             "deepep, mooncake, nixl, mori, ...; deepep needs NVLink or RDMA and DeepGEMM, SM90+)"
         )
-    if cfg.comm in ("ag-rs", "a2a-nccl", "pcie_a2a") and cfg.attn_dp == 1:
+    # pcie_a2a with TP attention is valid: SGLang scatters the batch over the TP ranks for
+    # an a2a backend (LayerCommunicator), which the prediction's ceil(tokens / tp) per rank is.
+    if cfg.comm in ("ag-rs", "a2a-nccl") and cfg.attn_dp == 1:
         out.append(
             f"{cfg.comm} is planned with DP attention: with TP attention every rank holds every "
             "token (that is the 'allreduce' configuration)"
