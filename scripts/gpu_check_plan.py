@@ -88,8 +88,8 @@ STEPS = (
          marker="gpu and not smoke", per_test_s=90, workers=3, smoke=True, collect="gpu_other"),
     Step("int4", 30, 10, f"{INT4}: the INT4 MoE GEMM against the CPU reference",
          kind="pytest", modules=INT4_MODULES, expect=(INT4,), workers=4),
-    Step("bench_moe_gemm", 20, 10, "benchmarks/bench_moe_gemm.py --model kimi-k2 --rows 1 16 "
-         "128 --iters 10 --check", modules=INT4_MODULES, expect=("benchmarks/bench_moe_gemm.py",)),
+    Step("bench_moe_gemm", 20, 10, "benchmarks/bench_moe_gemm.py --model kimi-k2 --quick "
+         "--check", modules=INT4_MODULES, expect=("benchmarks/bench_moe_gemm.py",)),
     Step("bench_one_gpu", 40, 20, "benchmarks/bench_cuda_one_gpu.py --worlds 1,2,4 (worlds 2, "
          "4 time-slice one GPU: correctness, not speed)", modules=CUDA,
          expect=("benchmarks/bench_cuda_one_gpu.py",)),

@@ -449,3 +449,23 @@ def test_docs_table_matches_the_plan():
         f"{doc['budget_s']:.0f} s: {planned:.0f} s planned"
         in (ROOT / "docs" / "gpu_check.md").read_text()
     )
+
+
+def test_bench_steps_pass_their_scripts_argument_checks(tmp_path):
+    """The bench commands gpu_check builds get past the scripts' own argument checks (a bad
+    flag or a refused value would fail the step on the GPU): without a GPU each one stops
+    at the GPU check instead, exit 2, saying so."""
+    from pcie_a2a import cuda_available
+
+    if cuda_available():
+        pytest.skip("a GPU is present: the commands would run the benchmarks")
+    steps = _load("gpu_check_steps")
+    check = SimpleNamespace(py=sys.executable, work=tmp_path, preflight={})
+    env = _env(PYTHONPATH=os.pathsep.join(sys.path))
+    for make in (steps.cmd_bench_moe_gemm, steps.cmd_bench_one_gpu):
+        ((argv, _),) = make(check)
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+        out = r.stdout + r.stderr
+        refused_flag = re.search(r": --[a-z-]+[ :]", out)  # "bench: --iters 10: ..." style
+        assert r.returncode == 2 and "usage:" not in out and not refused_flag, (argv, out)
+        assert re.search(r"GPU|CUDA (driver|device)", out), (argv, out)
