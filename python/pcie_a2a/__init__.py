@@ -10,6 +10,7 @@ Quick start (every rank, after ``torch.distributed.init_process_group``)::
 """
 
 from pcie_a2a._native import cuda_available, cuda_unavailable_reason
+from pcie_a2a.allreduce import AllReduce
 from pcie_a2a.buffer import Buffer, DispatchHandle, DispatchResult
 from pcie_a2a.moe import MoE, Router
 from pcie_a2a.placement import Placement
@@ -29,6 +30,7 @@ def _errors():
 PeerError, PeerTimeoutError, PeerAbortedError = _errors()
 
 __all__ = [
+    "AllReduce",
     "Buffer",
     "DispatchHandle",
     "DispatchResult",

@@ -251,3 +251,50 @@ def sglang_output_format(allowed: tuple[str, ...]) -> str:
 def vllm_enabled() -> bool:
     """PCIE_A2A_VLLM=1 selects pcie_a2a's prepare/finalize in vLLM (off by default)."""
     return _get("PCIE_A2A_VLLM") == "1"
+
+
+# ---- the PCIe all-reduce (pcie_a2a.allreduce) -------------------------------------------
+def allreduce_enabled() -> bool:
+    """PCIE_A2A_ALLREDUCE=1 routes the frameworks' tensor-parallel all-reduce (below the
+    crossover) to pcie_a2a.AllReduce; unset or 0 leaves them untouched."""
+    return bool(get_bool("PCIE_A2A_ALLREDUCE"))
+
+
+def allreduce_max_bytes() -> int | None:
+    """PCIE_A2A_ALLREDUCE_MAX_BYTES: the handover size (bytes per rank) above which calls go
+    to NCCL (gloo on the CPU); replaces the probe's and the defaults' crossover."""
+    value = _get("PCIE_A2A_ALLREDUCE_MAX_BYTES")
+    if value is None:
+        return None
+    parsed = get_int("PCIE_A2A_ALLREDUCE_MAX_BYTES", 0, minimum=0)
+    if parsed % 16:
+        raise ValueError(
+            f"PCIE_A2A_ALLREDUCE_MAX_BYTES={value!r}: expected a multiple of 16 bytes (>= 0)"
+        )
+    return parsed
+
+
+ALLREDUCE_ALGORITHMS = ("auto", "one_shot", "two_shot", "fallback")
+
+
+def allreduce_algorithm() -> str:
+    """PCIE_A2A_ALLREDUCE_ALGO: auto (by size, default), one_shot, two_shot or fallback
+    (always NCCL/gloo)."""
+    value = (_get("PCIE_A2A_ALLREDUCE_ALGO") or "auto").lower()
+    if value not in ALLREDUCE_ALGORITHMS:
+        raise ValueError(
+            f"PCIE_A2A_ALLREDUCE_ALGO={value!r}: expected one of {', '.join(ALLREDUCE_ALGORITHMS)}"
+        )
+    return value
+
+
+def allreduce_end_barrier() -> bool | None:
+    """PCIE_A2A_ALLREDUCE_END_BARRIER=1: end-barrier mode (one buffer, every call ends with
+    a barrier) instead of parity double-buffering."""
+    return get_bool("PCIE_A2A_ALLREDUCE_END_BARRIER")
+
+
+def allreduce_table() -> str | None:
+    """PCIE_A2A_ALLREDUCE_TABLE: a `pcie-a2a bench --op allreduce` JSON whose measured
+    crossover replaces the defaults for a matching world, dtype and backend."""
+    return _get("PCIE_A2A_ALLREDUCE_TABLE")
