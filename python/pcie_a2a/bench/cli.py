@@ -51,6 +51,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     d = DEFAULTS
     p.add_argument(
+        "--op",
+        default="dispatch",
+        choices=("dispatch", "allreduce"),
+        help="dispatch (dispatch/combine, default) or allreduce (pcie_a2a.AllReduce vs "
+        "NCCL/gloo all_reduce; docs/allreduce.md)",
+    )
+    p.add_argument(
         "--world", type=int, default=4, help="ranks to spawn (default 4; ignored under torchrun)"
     )
     p.add_argument(
@@ -111,6 +118,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         action="store_true",
         help="tiny shapes for tests (hidden 256, 32 experts, top-4, tokens 4,32, 5 iters)",
     )
+    from pcie_a2a.bench import allreduce
+
+    allreduce.add_options(p)
     p.set_defaults(func=main)
     return p
 
@@ -218,22 +228,33 @@ def device_plan(backend: str, local_world: int) -> device.Plan:
     return device.plan("cuda", torch.cuda.device_count(), local_world)
 
 
-def _outputs(args) -> tuple[Path, Path | None]:
+def outputs(args, stem: str = "bench") -> tuple[Path, Path | None]:
+    """The JSON and PNG paths (--json/--plot, else bench_results/<stem>-<time>.*)."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    js = Path(args.json) if args.json else Path("bench_results") / f"bench-{stamp}.json"
+    js = Path(args.json) if args.json else Path("bench_results") / f"{stem}-{stamp}.json"
     if args.plot and args.plot.lower() == "none":
         return js, None
-    return js, Path(args.plot) if args.plot else Path("bench_results") / f"bench-{stamp}.png"
+    return js, Path(args.plot) if args.plot else Path("bench_results") / f"{stem}-{stamp}.png"
 
 
-def _command() -> str:
+_outputs = outputs
+
+
+def command() -> str:
     argv = sys.argv[1:]
     if "bench" in argv:  # pcie-a2a bench ..., python -m pcie_a2a bench ...
         argv = argv[argv.index("bench") + 1 :]
     return " ".join(["pcie-a2a", "bench", *(shlex.quote(a) for a in argv)])
 
 
+_command = command
+
+
 def main(args: argparse.Namespace) -> int:
+    if args.op == "allreduce":
+        from pcie_a2a.bench import allreduce
+
+        return allreduce.main(args)
     from pcie_a2a.bench import report, runner
 
     torchrun = runner.under_torchrun()

@@ -69,14 +69,21 @@ def _init(cfg: dict, local: int, **kwargs) -> None:
     )
 
 
+def _sweep(cfg: dict):
+    """The rank-side sweep: bench/worker.py's, or the one ``cfg["sweep_module"]`` names
+    (``--op allreduce``: bench/allreduce_worker.py)."""
+    import importlib
+
+    return importlib.import_module(cfg.get("sweep_module", "pcie_a2a.bench.worker")).run_sweep
+
+
 def _child(rank: int, world: int, port: int, cfg: dict, results) -> None:
     faulthandler.enable()  # a crashing rank prints where it was
     os.environ["OMP_NUM_THREADS"] = str(cfg["threads"])
     try:
         import torch.distributed as dist
 
-        from pcie_a2a.bench.worker import run_sweep
-
+        run_sweep = _sweep(cfg)
         _init(cfg, rank, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         try:
             out = run_sweep(cfg, emit=lambda kind, value: results.put((kind, rank, value)))
@@ -91,8 +98,7 @@ def run_torchrun(cfg: dict) -> dict | None:
     """Runs this process as one rank of torchrun's group; rank 0 returns the raw results."""
     import torch.distributed as dist
 
-    from pcie_a2a.bench.worker import run_sweep
-
+    run_sweep = _sweep(cfg)
     _init(cfg, local_rank(), init_method="env://")
     try:
         return run_sweep(cfg)
