@@ -59,7 +59,8 @@ class AllReduce:
         max_bytes: the largest call (bytes per rank) this communicator handles itself; sizes
             its segments (``2 x world x max_bytes`` per rank, half in end-barrier mode).
             Larger calls, and calls above the hand-over size, go to the fallback group.
-        dtype: torch.bfloat16 or torch.float16.
+        dtype: torch.bfloat16 or torch.float16, or a tuple of both (a framework hook that
+            does not know the model's dtype yet: every call takes its tensor's dtype).
         backend: ``"auto"`` (``PCIE_A2A_BACKEND``, else ``"cpu"``), ``"cpu"`` or ``"cuda"``
             (explicit opt-in: the kernels have not yet run on a GPU, see the README).
         device: CUDA device index for ``backend="cuda"`` (default: the current device).
@@ -81,7 +82,7 @@ class AllReduce:
         self,
         group: dist.ProcessGroup | None,
         max_bytes: int,
-        dtype: torch.dtype = torch.bfloat16,
+        dtype: torch.dtype | tuple[torch.dtype, ...] = torch.bfloat16,
         *,
         backend: str = "auto",
         device: int | None = None,
@@ -109,8 +110,11 @@ class AllReduce:
             raise _fail(
                 ValueError, "max_bytes", max_bytes, f"<= {2 * _native_limits()['max_elements']}"
             )
-        if dtype not in _DTYPES:
-            raise _fail(TypeError, "dtype", dtype, "torch.bfloat16, torch.float16")
+        dtypes = tuple(dtype) if isinstance(dtype, (tuple, list)) else (dtype,)
+        if not dtypes or any(d not in _DTYPES for d in dtypes):
+            raise _fail(
+                TypeError, "dtype", dtype, "torch.bfloat16, torch.float16 or a tuple of them"
+            )
         algorithm = env.allreduce_algorithm() if algorithm is None else algorithm
         if algorithm not in env.ALLREDUCE_ALGORITHMS:
             raise _fail(
@@ -132,7 +136,8 @@ class AllReduce:
             raise _fail(ValueError, "group size", self.world, f"<= {_native_limits()['max_world']}")
         self.backend = _choose_backend(backend)
         self.max_bytes = max_bytes
-        self.dtype = dtype
+        self.dtypes = dtypes
+        self.dtype = dtypes[0]
         self.algorithm = algorithm
         self.end_barrier = bool(end_barrier)
         self.timeout_s = float(timeout_s)
@@ -168,7 +173,7 @@ class AllReduce:
     def _bootstrap(self, explicit, handover_bytes, one_shot_max_bytes, device) -> None:
         config = {
             "max_bytes": self.max_bytes,
-            "dtype": str(self.dtype),
+            "dtype": [str(d) for d in self.dtypes],
             "backend": self.backend,
             "algorithm": self.algorithm,
             "end_barrier": self.end_barrier,
@@ -269,7 +274,7 @@ class AllReduce:
     def route(self, numel: int) -> str:
         """Where a call of ``numel`` elements of this dtype goes: one_shot, two_shot or
         fallback. The same on every rank for the same element count."""
-        nbytes = numel * _elem_size(self.dtype)
+        nbytes = numel * 2  # bf16 and fp16
         if self.algorithm == "fallback" or not self._backend.active:
             return "fallback"
         if numel <= 0 or nbytes % 16 or nbytes > self.max_bytes:
@@ -283,7 +288,7 @@ class AllReduce:
         before calling: their ``should_custom_ar``)."""
         return (
             isinstance(x, torch.Tensor)
-            and x.dtype == self.dtype
+            and x.dtype in self.dtypes
             and x.device == self.device
             and x.is_contiguous()
             and self.route(x.numel()) != "fallback"
@@ -328,14 +333,19 @@ class AllReduce:
     def _check_tensor(self, t: Any, name: str, like: torch.Tensor | None = None) -> torch.Tensor:
         if not isinstance(t, torch.Tensor):
             raise _fail(TypeError, name, type(t).__name__, "a torch.Tensor")
-        if t.dtype != self.dtype:
+        if t.dtype not in self.dtypes:
             raise _fail(
-                TypeError, f"{name}.dtype", t.dtype, f"{self.dtype} (the communicator's dtype)"
+                TypeError,
+                f"{name}.dtype",
+                t.dtype,
+                " or ".join(str(d) for d in self.dtypes) + " (the communicator's dtype)",
             )
         if t.device != self.device:
             raise _fail(ValueError, f"{name}.device", t.device, f"{self.device}")
         if not t.is_contiguous():
             raise _fail(ValueError, name, "a non-contiguous tensor", "a contiguous tensor")
+        if like is not None and t.dtype != like.dtype:
+            raise _fail(TypeError, f"{name}.dtype", t.dtype, f"{like.dtype} (the dtype of x)")
         if like is not None and t.shape != like.shape:
             raise _fail(
                 ValueError, f"{name}.shape", list(t.shape), f"{list(like.shape)} (the shape of x)"
@@ -356,6 +366,10 @@ class AllReduce:
                 self._check_tensor(out, "out", x)
             if weight is not None:
                 self._check_tensor(weight, "weight")
+                if weight.dtype != x.dtype:
+                    raise _fail(
+                        TypeError, "weight.dtype", weight.dtype, f"{x.dtype} (the dtype of x)"
+                    )
                 if x.dim() < 1 or weight.dim() != 1 or weight.numel() != x.shape[-1]:
                     raise _fail(
                         ValueError,
@@ -387,7 +401,7 @@ class AllReduce:
             return out
         self._seq += 1
         self._protocol(
-            self._backend.run, self._seq, _ALGO[route], _DTYPES[self.dtype], x, residual, out,
+            self._backend.run, self._seq, _ALGO[route], _DTYPES[x.dtype], x, residual, out,
             self.timeout_s,
         )  # fmt: skip
         self._record()
@@ -402,12 +416,12 @@ class AllReduce:
             return reference.add_rmsnorm(r, residual, weight, eps)
         self._seq += 1
         self._protocol(
-            self._backend.run, self._seq, _ALGO[route], _DTYPES[self.dtype], x, None, r,
+            self._backend.run, self._seq, _ALGO[route], _DTYPES[x.dtype], x, None, r,
             self.timeout_s,
         )  # fmt: skip
         self._record()
         residual_out = torch.empty_like(x)
-        self._backend.rmsnorm(r, residual, weight, eps, _DTYPES[self.dtype], r, residual_out)
+        self._backend.rmsnorm(r, residual, weight, eps, _DTYPES[x.dtype], r, residual_out)
         return r, residual_out
 
     def _fallback(self, x: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None) -> None:
@@ -445,10 +459,6 @@ class AllReduce:
             "end_barrier": self.end_barrier,
             "decisions": self.decisions.to_dict(),
         }
-
-
-def _elem_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def _choose_backend(backend: str) -> str:
