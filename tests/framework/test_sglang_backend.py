@@ -204,6 +204,12 @@ def _plugin_worker(rank: int, world: int) -> dict:
     out["dispatcher"] = type(disp).__name__
     out["is_ours"] = isinstance(disp, PcieA2ADispatcher)
     out["hooked"] = hasattr(moe_layer.create_moe_dispatcher, "__wrapped__")
+    from sglang.srt.distributed.parallel_state import GroupCoordinator
+
+    out["allreduce_hooked"] = [  # the TP all-reduce hooks (tests: test_sglang_allreduce.py)
+        hasattr(getattr(GroupCoordinator, m), "__wrapped__")
+        for m in ("__init__", "all_reduce", "destroy")
+    ]
     out["complete"] = moe_utils.post_experts_output_is_complete(is_tp_path=False)
     out["complete_tp"] = moe_utils.post_experts_output_is_complete(is_tp_path=True)
     # runners: Triton needs nothing, Marlin needs our fused func under `customized`
@@ -256,6 +262,7 @@ def test_plugin_loads_through_entry_point_and_parses():
     assert res["ep_pass"] == {"ep_size": 4}
     assert res["ep_pass_customized"] == {"ep_size": 4}
     assert res["active"] and res["is_ours"] and res["hooked"]
+    assert res["allreduce_hooked"] == [True, True, True]
     assert "builds a MoE layer under --moe-a2a-backend pcie" in res["unvalidated"]
     assert "Qwen3MoeSparseMoeBlock" in res["unvalidated"]
     assert res["dispatcher"] == "PcieA2ADispatcher"

@@ -238,6 +238,10 @@ class AllReduce:
             backend, self._backend = self._backend, None
             backend.close()
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def __enter__(self) -> AllReduce:
         return self
 

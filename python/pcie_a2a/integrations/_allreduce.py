@@ -12,6 +12,7 @@ stays with NCCL. Unset or 0, nothing is touched.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import logging
 import socket
 
@@ -54,7 +55,19 @@ class CustomAllreduce:
         yield
 
     def close(self) -> None:
-        self.comm.close()
+        """Collective (the frameworks destroy every rank's groups together): a barrier,
+        bounded by the communicator's timeout and naming a missing peer, so that no rank
+        releases segments a peer may still read; then the segments go. Safe twice."""
+        if self.comm.closed:
+            return
+        try:
+            dist.monitored_barrier(
+                self.comm.group, timeout=datetime.timedelta(seconds=self.comm.timeout_s)
+            )
+        except Exception as exc:  # a dead peer must not keep us from releasing ours
+            logger.warning("pcie_a2a all-reduce: closing without the final barrier: %s", exc)
+        finally:
+            self.comm.close()
 
 
 def refuse(framework: str, why: str) -> RuntimeError:

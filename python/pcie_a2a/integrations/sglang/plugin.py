@@ -21,10 +21,14 @@ SGLang 0.5.2x has no registry of a2a backends, but its ``MoeA2ABackend`` enum ha
 7. routes the INT4 MoE schemes (compressed-tensors, GPTQ, AWQ) to ``moe_int4_mlp`` with
    their weights converted after loading (``int4.py``);
 8. overrides SGLang's ``handle_a2a_moe`` resolution step: launch-time refusals, CUDA graphs
-   off, shared-experts fusion off, buffer capacity from the server's limits (``launch.py``).
+   off, shared-experts fusion off, buffer capacity from the server's limits (``launch.py``);
+9. hooks ``GroupCoordinator`` so that, with ``PCIE_A2A_ALLREDUCE=1`` (whatever the a2a
+   backend), the TP all-reduce below the crossover runs on ``pcie_a2a.AllReduce``
+   (``allreduce.py``); unset, those hooks return at once.
 
-Every hook checks :func:`is_active` first: with another backend selected, or with
-``PCIE_A2A_SGLANG=0``, SGLang runs its own code unchanged.
+Every MoE hook checks :func:`is_active` first: with another backend selected, or with
+``PCIE_A2A_SGLANG=0``, SGLang runs its own code unchanged (the all-reduce hooks of item 9
+check ``PCIE_A2A_ALLREDUCE`` instead).
 """
 
 from __future__ import annotations
@@ -198,10 +202,11 @@ def register() -> None:
         HookType.AROUND,
     )
     HookRegistry.register(f"{_T_LAYER}.FusedMoE.__init__", _fused_moe_init, HookType.AFTER)
-    from pcie_a2a.integrations.sglang import int4, launch, models
+    from pcie_a2a.integrations.sglang import allreduce, int4, launch, models
 
     for target, hook in models.hook_targets() + int4.hook_targets():
         HookRegistry.register(target, hook, HookType.AROUND)
+    allreduce.register_hooks(HookRegistry, HookType)  # inert unless PCIE_A2A_ALLREDUCE=1
     from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
 
     register_resolution_hook("handle_a2a_moe")(launch.handle_a2a_moe)

@@ -12,6 +12,9 @@ when ``PCIE_A2A_VLLM=1``, ``register()`` installs two hooks:
 - ``VllmConfig.__post_init__`` first runs :func:`launch.resolve`, which refuses what the
   prepare/finalize cannot do and turns CUDA graphs off, at launch.
 
+Independently of ``PCIE_A2A_VLLM``, ``PCIE_A2A_ALLREDUCE=1`` puts the TP all-reduce below
+the crossover on ``pcie_a2a.AllReduce`` (``allreduce.py``).
+
 A plugin must never break its host: without ``PCIE_A2A_VLLM=1`` nothing is imported or
 patched, and any failure inside ``register()`` (an unsupported vLLM, a vLLM whose internals
 moved) is logged as a warning, every hook already installed is undone, and vLLM runs as if
@@ -158,7 +161,11 @@ def _install() -> tuple[str, int]:
 
 
 def register() -> None:
-    """Entry point (``vllm.general_plugins``). Never raises."""
+    """Entry point (``vllm.general_plugins``). Never raises, except for the launch refusal
+    of ``PCIE_A2A_ALLREDUCE=1`` on a vLLM whose communicators cannot be hooked."""
+    from pcie_a2a.integrations.vllm import allreduce
+
+    allreduce.register()  # the TP all-reduce hooks; inert unless PCIE_A2A_ALLREDUCE=1
     try:
         if not is_enabled():
             logger.debug("pcie_a2a vLLM plugin inert (%s is not 1): nothing patched", ENABLE_ENV)
