@@ -26,6 +26,7 @@ INT4 = "tests/test_moe_int4_gpu.py"
 OWN_STEP_FILES = (TRANSPORT, INPROCESS, STRESS, INT4)
 CUDA = ("_transport", "_cuda", "_cuda_transport")
 INT4_MODULES = ("_transport", "_moe_int4")
+ALLREDUCE_MODULES = ("_allreduce", "_allreduce_cuda")
 
 # Tier 1 (issue 10): normal bf16 and fp8, LL rows and expert-major, staged, copy engine,
 # mixed pairs, graph replay, silent rank. Names or parameter ids (gpu_check_pytest.py);
@@ -80,7 +81,7 @@ STEPS = (
          "pytest-xdist); the leak tests alone, after", kind="pytest", modules=CUDA,
          files=(TRANSPORT,), marker="gpu and not smoke", workers=4, serial_k="leak",
          smoke=True),
-    Step("inprocess", 25, 10, f"{INPROCESS}: W transports in one process (real concurrency "
+    Step("inprocess", 23, 10, f"{INPROCESS}: W transports in one process (real concurrency "
          "on one GPU)", kind="pytest", modules=CUDA, expect=(INPROCESS,),
          marker="gpu and not smoke", smoke=True),
     Step("gpu_other", 35, 15, "every other file with GPU tests (Buffer backend='cuda', "
@@ -90,9 +91,13 @@ STEPS = (
          kind="pytest", modules=INT4_MODULES, expect=(INT4,), workers=4),
     Step("bench_moe_gemm", 20, 10, "benchmarks/bench_moe_gemm.py --model kimi-k2 --quick "
          "--check", modules=INT4_MODULES, expect=("benchmarks/bench_moe_gemm.py",)),
-    Step("bench_one_gpu", 40, 20, "benchmarks/bench_cuda_one_gpu.py --worlds 1,2,4 (worlds 2, "
+    Step("bench_one_gpu", 35, 20, "benchmarks/bench_cuda_one_gpu.py --worlds 1,2,4 (worlds 2, "
          "4 time-slice one GPU: correctness, not speed)", modules=CUDA,
          expect=("benchmarks/bench_cuda_one_gpu.py",)),
+    Step("bench_allreduce", 18, 8, "benchmarks/bench_allreduce_one_gpu.py --quick: the "
+         "all-reduce kernels, worlds 2 and 8 on one GPU in one CUDA graph, every replay "
+         "checked bit for bit (kernel cost, not PCIe)", modules=ALLREDUCE_MODULES,
+         expect=("benchmarks/bench_allreduce_one_gpu.py",)),
     Step("kernels", 12, 8, "scripts/gpu_kernel_breakdown.py: world 1, per-kernel device time, "
          "launches and host copies per call", modules=CUDA,
          files=("scripts/gpu_kernel_breakdown.py",)),

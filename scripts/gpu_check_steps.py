@@ -290,6 +290,13 @@ def cmd_bench_one_gpu(check):
     return [([check.py, script, *args], None)]
 
 
+def cmd_bench_allreduce(check):
+    script = "benchmarks/bench_allreduce_one_gpu.py"
+    args = tolerant_args(ROOT / script, [("--quick",),
+                         ("--json", str(check.work / "bench_allreduce_one_gpu.json"))])  # fmt: skip
+    return [([check.py, script, *args], None)]
+
+
 def cmd_kernels(check):
     out = str(check.work / "kernels.json")
     return [([check.py, "scripts/gpu_kernel_breakdown.py", "--json", out], None)]
@@ -350,6 +357,7 @@ def find_sanitizer() -> str | None:
 REPORT_TITLES = {
     "bench_one_gpu": "bench_cuda_one_gpu (worlds > 1 share one GPU: correctness, not speed)",
     "bench_moe_gemm": "bench_moe_gemm (reduced)",
+    "bench_allreduce": "bench_allreduce_one_gpu --quick (W ranks share one GPU: kernel cost, not PCIe)",
     "kernels": "per-kernel breakdown, world 1",
     "bench_nccl": "pcie-a2a bench --backend cuda (vs NCCL)",
     "topo": "pcie-a2a topo",
@@ -357,6 +365,7 @@ REPORT_TITLES = {
 _REPORT_START = {
     "bench_one_gpu": r"^ *world +payload",
     "bench_moe_gemm": r"^device: ",
+    "bench_allreduce": r"^ONE GPU",
     "kernels": r"^kernel breakdown",
     "bench_nccl": r"^machine: ",
     "topo": r"^\$ ",
@@ -388,6 +397,11 @@ def summarise(name: str, log: Path) -> str:
         check = next((ln for ln in lines if ln.startswith("check:")), "")
         points = sum(1 for ln in lines if re.search(r" m= *\d+ int4 ", ln))
         return f"{points} points; {check or 'no check line'}"
+    if name == "bench_allreduce":
+        rows = [ln for ln in lines if re.match(r"^ *\d+ +(one|two)_shot +\d+ +[\d.]+ ", ln)]
+        wrong = sum(1 for ln in rows if ln.rstrip().endswith("WRONG"))
+        if rows:
+            return f"{len(rows)} points, {wrong} wrong; one GPU: kernel cost, not PCIe"
     if name == "sanitizer":
         errors = [ln.strip() for ln in lines if "ERROR SUMMARY" in ln]
         if errors:
@@ -403,6 +417,7 @@ def summarise(name: str, log: Path) -> str:
 COMMANDS = {
     "bench_moe_gemm": cmd_bench_moe_gemm,
     "bench_one_gpu": cmd_bench_one_gpu,
+    "bench_allreduce": cmd_bench_allreduce,
     "kernels": cmd_kernels,
     "topo": cmd_topo,
     "bench_nccl": cmd_bench_nccl,
