@@ -148,6 +148,7 @@ def crossover(results: list[dict]) -> list[dict]:
             "dtype": {"bf16": "bfloat16", "fp16": "float16"}[dtype],
             "fused": fused,
             "one_shot_up_to_bytes": one_up_to,
+            "largest_bytes": rows[-1]["bytes"],
         }
         if measured:
             row["ours_up_to_bytes"] = ours_up_to
@@ -229,9 +230,16 @@ def crossover_lines(cross: list[dict], backend: str) -> list[str]:
         elif c["ours_up_to_bytes"] == 0:
             out.append(f"{head} {base} is faster at every size measured")
         else:
+            top = c.get("largest_bytes")
+            ours = (
+                f"ours faster at every size measured (to {_size(top)})"
+                if c["ours_up_to_bytes"] == top
+                else f"ours up to {_size(c['ours_up_to_bytes'])} (then {base})"
+            )
+            one = c["one_shot_up_to_bytes"]
             out.append(
-                f"{head} ours up to {_size(c['ours_up_to_bytes'])} (then {base}), one-shot up to "
-                f"{_size(c['one_shot_up_to_bytes'])}"
+                f"{head} {ours}; "
+                + (f"one-shot up to {_size(one)}" if one else "two-shot from the smallest size")
             )
     return out
 
