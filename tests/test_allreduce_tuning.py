@@ -5,7 +5,7 @@ measured crossover, the environment, and the documented defaults."""
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
+from dataclasses import replace
 
 import pytest
 
@@ -41,7 +41,7 @@ def test_topology_class_and_staged_pairs_of_the_fixture_boxes(name, cls, staged)
     assert tuning.topology_class(d.path_classes) == cls
     assert bool(d.staged_pairs()) == staged  # SYS pairs stage until measured (planner rule)
     assert d.measured is None  # table estimates, not a probe
-    assert all(v == "push" for row in d.direction for v in row)  # main's plan has no pull
+    assert all(v == "push" for row in d.direction for v in row)  # no probe: every pair pushes
 
 
 def test_sys_pairs_become_p2p_when_the_operator_allows_it():
@@ -50,21 +50,23 @@ def test_sys_pairs_become_p2p_when_the_operator_allows_it():
 
 
 def test_directions_are_read_from_the_rank_plan_when_it_has_them():
-    """The probe's per-pair push/pull (issue 11's RankPlan.pair_direction) is taken as is."""
+    """The planner's per-pair push/pull (RankPlan.pair_direction, from the probe or
+    PCIE_A2A_DIRECTION / PCIE_A2A_PAIRS) is taken as is."""
+    d = _decisions("8x-rtxpro6000-threadripper-3switch-pxb.topo.txt", direction="pull")
+    w = d.world
+    assert all(
+        d.direction[s][t] == ("push" if s == t else "pull") for s in range(w) for t in range(w)
+    )
+    pull = d.pull_matrix()
+    assert pull[0 * w + 3] == 1 and pull[5 * w + 5] == 0
     topo = load(FIXTURES / "8x-rtxpro6000-threadripper-3switch-pxb.topo.txt")
     p = plan(topo)
-    rp = plan_ranks(topo, p, BUS)
-    w = len(rp.gpus)
-    direction = [
-        ["pull" if (s + d) % 3 == 0 and s != d else "push" for d in range(w)] for s in range(w)
-    ]
-    with_dirs = SimpleNamespace(
-        gpus=rp.gpus, pair_transport=rp.pair_transport, pair_direction=direction
-    )
-    d = dec.from_rank_plan(with_dirs, p, "stand-in")
-    assert [list(r) for r in d.direction] == direction
-    pull = d.pull_matrix()
-    assert pull[0 * w + 3] == 1 and pull[0 * w + 1] == 0 and pull[5 * w + 5] == 0
+    rp = replace(plan_ranks(topo, p, BUS), pair_direction=tuple(
+        tuple("pull" if (s + t) % 3 == 0 and s != t else "push" for t in range(w)) for s in range(w)
+    ))  # fmt: skip
+    mixed = dec.from_rank_plan(rp, p, "mixed")
+    assert mixed.direction == rp.pair_direction
+    assert mixed.pull_matrix()[0 * w + 1] == 0 and mixed.pull_matrix()[1 * w + 2] == 1
 
 
 def test_measured_pairs_set_the_one_shot_split():
