@@ -9,12 +9,19 @@ touch). Only ``ptx.cuh`` (the inline PTX: acquire/release loads and stores, fenc
 %globaltimer) and ``launch.cuh`` (the chevrons) are replaced. The driver
 (``tests/native/transport_emu/main.cpp``) forks one process per rank; each builds the real
 ``CudaTransport``, exchanges IPC handles, opens its peers with a pair plan (P2P pairs
-through the arena, staged pairs through real POSIX shared memory) and makes the calls
-``pcie_a2a.cuda_backend`` makes, with no barrier between calls. So slot assignment, the
-warp ballots and scans, flag parity and call numbers, the abort and timeout paths, the
-copy-engine path (count, read back, pack, copy, publish) and ``open_peers``/``close``
-(nothing left allocated, mapped or registered) all run, against the same expectations
-as the GPU tests (tests/cuda_transport_cases.py, pcie_a2a.reference), exactly.
+through the arena, staged pairs through real POSIX shared memory), probes every pair, and
+makes the calls ``pcie_a2a.cuda_backend`` makes, with no barrier between calls or before the
+two-phase close. So slot assignment, the warp ballots and scans, the per-warp fp8 quantiser,
+flag parity and call numbers begun by the send kernels, the pollers and work items, the
+staged rows' arrival marks, the abort and timeout paths, device-side id checks, the
+copy-engine path (count, read back, pack, copy, the flag by stream memory operation or
+kernel) and ``open_peers``/probe/``close`` (nothing left allocated, mapped or registered;
+the segment kept when a peer never closes) all run, against the same expectations as the
+GPU tests (tests/cuda_transport_cases.py, pcie_a2a.reference), exactly. Every low-latency
+step also checks what the emulated runtime counted: no host synchronisation and at most two
+stream operations per half (four per dispatch + combine), one graph launch per half when
+replayed from a capture. ``inprocess`` scenarios put the W transports in one process
+(open_local, phase by phase).
 
 The mutation test shows that plausible slips in the kernels (slot parity, slot order,
 ballot rank, warp scan, last-block publish, copy-engine parity, ...) fail here. A reversed
@@ -22,8 +29,10 @@ summation order is not among them: with these inputs its sums round the same.
 
 What it cannot show: memory ordering across real PCIe (the model is sequentially
 consistent within the CPU; a missing fence is invisible), true concurrency of the warps
-of a block (they interleave only at barriers and warp collectives), timing, and the
-compiled SASS.
+of a block (they interleave only at barriers and warp collectives) or of blocks (they run
+one after another, so a work item's wait for an earlier item is always satisfied and the
+staged drain sees whole rows), programmatic dependent launch (launches run in order),
+timing, and the compiled SASS.
 """
 
 from __future__ import annotations
@@ -932,3 +941,20 @@ def test_every_kernel_is_loaded_at_construction():
             instances = [a for n, a in loads if n == k]
             assert len(instances) in (2, 4) and len(set(instances)) == len(instances), (f, k)
     assert loaded, "no PA2A_LOAD lines found"
+
+
+def test_cuda_host_segment_says_dev_shm_is_too_small(emulator, tmp_path):
+    """A staged receiver's host segment that does not fit in /dev/shm: an error naming it
+    and the flags, from the real host code, not a SIGBUS (a small private /dev/shm)."""
+    from test_shm_space import in_small_shm
+
+    sc = dataclasses.replace(_BY_NAME["w2_fp8_staged_raw"], steps=())
+    sc = dataclasses.replace(sc, case=dataclasses.replace(sc.case, hidden=1024, max_tokens=256))
+    d = tmp_path / "run"
+    d.mkdir()
+    write_scenario(sc, d)
+    run = f"import subprocess, sys; sys.exit(subprocess.run([{str(emulator)!r}, {str(d)!r}]).returncode)"
+    r = in_small_shm(run, size="2m")
+    assert r.returncode == 1, f"exit {r.returncode} (135: SIGBUS)\n{r.stderr[-3000:]}"
+    assert "/dev/shm is too small" in r.stderr and "--shm-size=" in r.stderr, r.stderr[-3000:]
+    assert "the shared-memory segment /pcie_a2a." in r.stderr, r.stderr[-3000:]

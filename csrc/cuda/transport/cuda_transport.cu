@@ -414,9 +414,9 @@ std::vector<int32_t> CudaTransport::probe_peers(double timeout_s) {
   launch_probe_recv(k, nonce_, timeout_ns(timeout_s), probe_status_, aux_);
   check_launch("probe");
   std::vector<int32_t> status(config_.world, 0);
+  PA2A_CUDA_CHECK(cudaMemcpyAsync(status.data(), probe_status_, sizeof(int32_t) * config_.world,
+                                  cudaMemcpyDeviceToHost, aux_));
   PA2A_CUDA_CHECK(cudaStreamSynchronize(aux_));
-  PA2A_CUDA_CHECK(cudaMemcpy(status.data(), probe_status_, sizeof(int32_t) * config_.world,
-                             cudaMemcpyDeviceToHost));
   return status;
 }
 
@@ -509,8 +509,11 @@ bool CudaTransport::close_marks_arrived(std::vector<int32_t>* missing) {
     return false;
   }
   std::vector<uint64_t> dev_lines(W, 0);
-  if (cudaMemcpy(dev_lines.data(), dev_seg_ + kCloseLineOff, W * kCloseLineBytes,
-                 cudaMemcpyDeviceToHost) != cudaSuccess) {
+  // On this transport's own non-blocking stream: a plain cudaMemcpy would also wait for the
+  // legacy default stream and every blocking stream (other work of this process).
+  if (cudaMemcpyAsync(dev_lines.data(), dev_seg_ + kCloseLineOff, W * kCloseLineBytes,
+                      cudaMemcpyDeviceToHost, aux_) != cudaSuccess ||
+      cudaStreamSynchronize(aux_) != cudaSuccess) {
     (void)cudaGetLastError();
     for (int32_t s = 0; s < W; ++s)
       if (s != rank_) missing->push_back(s);
@@ -657,7 +660,8 @@ TransportStats CudaTransport::stats() {
   DeviceGuard guard(device_);
   wait_own_work();
   DeviceState st{};
-  PA2A_CUDA_CHECK(cudaMemcpy(&st, state_, sizeof(st), cudaMemcpyDeviceToHost));
+  PA2A_CUDA_CHECK(cudaMemcpyAsync(&st, state_, sizeof(st), cudaMemcpyDeviceToHost, aux_));
+  PA2A_CUDA_CHECK(cudaStreamSynchronize(aux_));
   TransportStats r;
   r.calls = st.stat_calls;
   r.last_family = st.stat_last_family;
