@@ -68,6 +68,7 @@ SOURCES = (*KERNEL_FILES, "cuda_transport.cu", "ptx.cuh", "launch.cuh", "device_
 SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined"]
 ERR_VALUE, ERR_TIMEOUT, ERR_PEER, ERR_ABORTED = 0, 1, 2, 3  # pa2a::Error::Kind
 SHORT_TIMEOUT_MS = 400  # the timeout of steps where a peer never comes
+ONLY0_TIMEOUT_MS = 1000  # ... and of the step where rank 0 waits for seven silent peers
 
 
 def _units(csrc: Path) -> list[tuple[Path, list[str]]]:
@@ -203,7 +204,8 @@ def _calls(kind: str) -> int:
     """Call numbers a step consumes (every rank, whoever skips or aborts)."""
     if kind == "exit":
         return 0
-    return 1 if kind in ("abort", "abort_combine", "abort_silent", "skip", "mismatch") else 2
+    one = ("abort", "abort_combine", "abort_silent", "skip", "only0", "mismatch")
+    return 1 if kind in one else 2
 
 
 def _sent_ids(ids: torch.Tensor, experts: int) -> torch.Tensor:
@@ -246,6 +248,12 @@ def _y(case: C.Case, kind: str, step: int, rank: int) -> torch.Tensor | None:
     return None
 
 
+def _step_timeout_ms(sc: Scenario, kind: str) -> int:
+    if kind == "only0":
+        return ONLY0_TIMEOUT_MS
+    return SHORT_TIMEOUT_MS if kind in ("skip", "abort_silent") else sc.timeout_ms
+
+
 def _ce_bytes(case: C.Case, slot: int) -> int:
     limit = C.ce_min_bytes(case, slot)
     return -1 if limit is None else limit
@@ -275,8 +283,7 @@ def write_scenario(sc: Scenario, d: Path) -> None:
         raw = kind.endswith("_raw")
         kind = kind.removesuffix("_raw")
         lines.append(
-            f"step {i} {kind} {who or -1} {ce_d} {ce_c} {int(raw)} "
-            f"{SHORT_TIMEOUT_MS if kind in ('skip', 'abort_silent') else sc.timeout_ms}"
+            f"step {i} {kind} {who or -1} {ce_d} {ce_c} {int(raw)} {_step_timeout_ms(sc, kind)}"
         )
         for r in range(w):
             x, ids, wts = C.inputs(case, r, i)
@@ -552,6 +559,15 @@ def check_scenario(sc: Scenario, d: Path) -> None:
                         # one timed out: ~400 ms, not 400 ms for each of its 10 blocks (the
                         # bound leaves room for a loaded machine)
                         assert int(o.log["elapsed_ms"]) < 2500, o.log
+                elif kind == "only0":  # rank 0 waits for 7 silent peers, one receive block
+                    if r == 0:
+                        assert err is not None and err[0] == ERR_TIMEOUT, err
+                        assert f"(call {first}) waiting for rank 1" in err[1], err
+                        # the pollers of the other silent peers give up once the first timed
+                        # out (the error word, read on the timer path): one timeout, not seven
+                        assert int(o.log["elapsed_ms"]) < 4 * ONLY0_TIMEOUT_MS, o.log
+                    else:
+                        assert err is None, err
                 elif kind == "abort_silent":
                     silent = case.world - 1
                     if r != silent:
@@ -617,6 +633,8 @@ SCENARIOS = [
     S("w2_prefill_ce_mixed", 2, "normal ll_rows normal", max_tokens=300, copy_engine="mixed",
       experts=16, seed=43),
     S("w2_timeout", 2, "ll_rows skip:1", max_tokens=160, seed=40),
+    # seven silent peers and one receive block: their pollers run one after another
+    S("w8_only_rank0_calls", 8, "only0", experts=16, max_tokens=8, max_recv_blocks=1, seed=44),
     S("w2_op_mismatch", 2, "normal mismatch:1", seed=41),
     S("w3_abort_silent_peer", 3, "ll_em abort_silent:0", experts=9, seed=42),
     # W transports in one process, each on its own stream, tables from each other's pointers
@@ -795,7 +813,8 @@ MUTATIONS = [
         "w3_abort_silent_peer",
     ),
     # every receive block waits out its own full timeout after the first one expired
-    ("device_protocol.cuh", "      if (timed_out_elsewhere(err)) return false;\n", "", "w2_timeout"),
+    ("device_protocol.cuh", "      if (timed_out_elsewhere(err)) return false;\n", "",
+     "w8_only_rank0_calls"),
     # host: a staged sender's rows are looked for in the receiver's device segment
     (
         "cuda_transport.cu",

@@ -544,11 +544,15 @@ inline cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t n, cudaMem
   if (e == cudaSuccess) emu_rt::issue(stream, [dst, src, n] { std::memcpy(dst, src, n); });
   return e;
 }
+// The synchronous copy and memset: host synchronisations (counted as such, not also as
+// stream operations), refused while a capture is active.
 inline cudaError_t cudaMemcpy(void* dst, const void* src, size_t n, cudaMemcpyKind kind) {
   const cudaError_t s = emu_rt::host_sync();
   if (s != cudaSuccess) return s;
-  --emu_rt::st.counts.launches;  // counted as the sync, not also as a stream operation
-  return cudaMemcpyAsync(dst, src, n, kind, nullptr);
+  if (n == 0) return cudaSuccess;
+  const cudaError_t e = emu_copy_check(dst, src, kind);
+  if (e == cudaSuccess) std::memcpy(dst, src, n);
+  return e;
 }
 inline cudaError_t cudaMemsetAsync(void* p, int v, size_t n, cudaStream_t stream = nullptr) {
   if (!emu_rt::valid_stream(stream)) return cudaErrorInvalidResourceHandle;
@@ -560,8 +564,10 @@ inline cudaError_t cudaMemsetAsync(void* p, int v, size_t n, cudaStream_t stream
 inline cudaError_t cudaMemset(void* p, int v, size_t n) {
   const cudaError_t s = emu_rt::host_sync();
   if (s != cudaSuccess) return s;
-  --emu_rt::st.counts.launches;
-  return cudaMemsetAsync(p, v, n, nullptr);
+  if (n == 0) return cudaSuccess;
+  if (!emu_rt::is_device(p)) return cudaErrorInvalidValue;
+  std::memset(p, v, n);
+  return cudaSuccess;
 }
 
 inline cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned flags) {

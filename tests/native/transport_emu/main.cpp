@@ -20,7 +20,7 @@
 //   step I KIND WHO CE_DISPATCH CE_COMBINE RAW TIMEOUT_MS
 //   shape I R T TOPK                            rank R's tokens in step I
 // KIND: ll_rows | ll_em | graph_rows | graph_em | normal | abort | abort_combine |
-// abort_silent | skip | mismatch | count_mismatch | bad_ids | exit.
+// abort_silent | skip | only0 | mismatch | count_mismatch | bad_ids | exit.
 // CE_*: copy-engine min_bytes of the normal mode's dispatch / combine (-1: warp stores
 // only). RAW: unpack fp8 rows as raw bytes and scales. WHO: the rank that aborts, skips,
 // calls another op, passes bad ids (its transport reports them at the end of the step, as
@@ -288,7 +288,8 @@ class Rank {
     if (k == "normal") return {[this, &s] { normal(s); }};
     if (k == "abort") return {[this, &s] { abort(s); }};
     if (k == "abort_combine") return {[this, &s] { abort_combine(s); }};
-    if (k == "skip") return {[this, &s] { skip(s); }};
+    if (k == "skip") return {[this, &s] { skip(s, r_ == s.who); }};
+    if (k == "only0") return {[this, &s] { skip(s, r_ != 0); }};  // every other rank is silent
     if (k == "mismatch") return {[this, &s] { mismatch(s); }};
     if (k == "abort_silent") return {[this, &s] { abort_silent(s); }};
     if (k == "count_mismatch") return {[this, &s] { count_mismatch(s); }};
@@ -699,10 +700,11 @@ class Rank {
     sync_check();
   }
 
-  // `who` never makes this call: the others' low-latency receive must time out naming it.
-  void skip(const Step& s) {
+  // `silent` ranks never make this call: the others' low-latency receive must time out
+  // naming the first of them.
+  void skip(const Step& s, bool silent) {
     quit();
-    if (r_ == s.who) return;
+    if (silent) return;
     Send in = inputs(s);
     Dev counts(static_cast<size_t>(W()) * 4);
     Rows o = rows(cap(), false);
