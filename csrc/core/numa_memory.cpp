@@ -87,13 +87,15 @@ std::string mib(uint64_t bytes) {
   const uint64_t total = known ? static_cast<uint64_t>(fs.f_blocks) * fs.f_frsize : 0;
   const uint64_t avail = known ? static_cast<uint64_t>(fs.f_bavail) * fs.f_frsize : 0;
   const uint64_t all = static_cast<uint64_t>(bytes) * static_cast<uint64_t>(segments);
+  // What to ask for: every segment of the Buffer plus what is already used, in 64 MiB steps.
+  const uint64_t want = ((all + (total - avail)) + (64ull << 20) - 1) / (64ull << 20) * 64;
   PA2A_THROW(kRuntime, kShmDir, " is too small: pcie_a2a needs ", bytes, " bytes (", mib(bytes),
-             ") for the shared-memory segment ", name, ", and this Buffer about ", segments,
-             " such segments on this host (", mib(all), "); ", kShmDir, " has ",
-             known ? mib(avail) : std::string("an unknown amount"), " free of ",
+             ") for the shared-memory segment ", name, " (a Buffer of this size has up to ",
+             segments, " such segment", segments == 1 ? "" : "s", " on one host, ", mib(all), "); ",
+             kShmDir, " has ", known ? mib(avail) : std::string("an unknown amount"), " free of ",
              known ? mib(total) : std::string("?"), " (", std::strerror(err),
-             "). In a container, start it with --shm-size=", mib(all + (total - avail)),
-             " or more (or --ipc=host); on a host, enlarge the tmpfs (mount -o "
+             "). In a container, start it with --shm-size=", want,
+             "m or more (or --ipc=host); on a host, enlarge the tmpfs (mount -o "
              "remount,size=... /dev/shm); or make max_tokens_per_rank / hidden smaller");
 }
 
