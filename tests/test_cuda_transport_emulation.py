@@ -752,6 +752,20 @@ MUTATIONS = [
         "  publish_mirror(k.state, s, t.seq - 1, n);\n}",
         "w2_bf16_p2p",
     ),
+    # the fused expert-major pre-reduction forgets the routing weight
+    (
+        "kernels_combine.cu",
+        "acc[i] = __fadd_rn(acc[i], __fmul_rn(w, f[i]));",
+        "acc[i] = __fadd_rn(acc[i], f[i]);",
+        "w1_bf16",
+    ),
+    # the copy engine's fallback flag kernel announces the wrong count
+    (
+        "kernels_send.cu",
+        "st_release_sys(&f->word, pack_flag(seq, count));",
+        "st_release_sys(&f->word, pack_flag(seq, count + 1));",
+        "w2_ce_flag_kernel",
+    ),
     # combine_recv no longer checks a source's row count against what it sent there
     (
         "kernels_combine.cu",
@@ -977,3 +991,13 @@ def test_cuda_host_segment_says_dev_shm_is_too_small(emulator, tmp_path):
     assert r.returncode == 1, f"exit {r.returncode} (135: SIGBUS)\n{r.stderr[-3000:]}"
     assert "/dev/shm is too small" in r.stderr and "--shm-size=" in r.stderr, r.stderr[-3000:]
     assert "the shared-memory segment /pcie_a2a." in r.stderr, r.stderr[-3000:]
+
+
+def test_gpu_without_host_registration_is_refused_clearly(emulator, tmp_path):
+    """cudaDevAttrHostRegisterSupported = 0 on a rank that needs staging memory: an error
+    naming the attribute and what to do, at construction, not a failed call later."""
+    sc = dataclasses.replace(_BY_NAME["w2_fp8_staged_raw"], steps=(),
+                             env=(("EMU_NO_HOST_REGISTER", "1"),))  # fmt: skip
+    with pytest.raises(EmulatorError, match=r"cudaDevAttrHostRegisterSupported = 0\), which the "
+                       r"host-staged pairs of this plan need"):  # fmt: skip
+        run_scenario(emulator, sc, tmp_path / "run")
