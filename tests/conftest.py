@@ -55,3 +55,8 @@ def single_rank_group():
             "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
         )
     yield None
+
+
+def pytest_configure(config):
+    # The first tier of the GPU checks (scripts/gpu_check.sh): -m "gpu and smoke".
+    config.addinivalue_line("markers", "smoke: first-tier GPU checks, run before the rest")

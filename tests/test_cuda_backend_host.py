@@ -113,3 +113,184 @@ def test_topology_rank_plan_falls_back_saying_why(monkeypatch, bus_ids, topo_fil
         monkeypatch.setenv("PCIE_A2A_TOPO_FILE", str(FIXTURES / topo_file))
     rp, note = topology_rank_plan(bus_ids)
     assert rp is None and why in note, note
+
+
+# ---- environment checks (pcie_a2a.cuda_checks): the verdict and the message --------------
+def _report(mode: int = 0) -> dict:
+    return {"compute_mode": mode, "host_register": 1, "multiprocessors": 132, "cc": (9, 0),
+            "driver_version": 13000, "runtime_version": 13000}  # fmt: skip
+
+
+def test_exclusive_process_mode_with_ranks_sharing_a_gpu_is_an_error():
+    from pcie_a2a.cuda_checks import environment_problems
+
+    errors, _ = environment_problems([A, A], [_report(3), _report(3)], None)
+    assert len(errors) == 1 and "ranks [0, 1] share GPU GPU-a" in errors[0]
+    assert "EXCLUSIVE_PROCESS" in errors[0] and "nvidia-smi -i N -c DEFAULT" in errors[0]
+    # one rank per GPU, or MPS: allowed (MPS is said)
+    assert environment_problems([A, B], [_report(3), _report(3)], None) == ([], [])
+    errors, warns = environment_problems([A, A], [_report(3), _report(3)], "/tmp/nvidia-mps")
+    assert errors == [] and "MPS is running (pipe directory /tmp/nvidia-mps)" in warns[0]
+    errors, _ = environment_problems([A], [_report(2)], None)
+    assert "PROHIBITED" in errors[0]
+
+
+def test_mps_is_found_by_its_control_pipe(tmp_path):
+    from pcie_a2a.cuda_checks import mps_running
+
+    assert mps_running(str(tmp_path)) is None
+    (tmp_path / "control").write_text("")
+    assert mps_running(str(tmp_path)) == str(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("driver", "runtime", "want"),
+    [
+        (13000, 13000, ""),
+        (13010, 13000, ""),
+        (12080, 12080, ""),
+        (12020, 12080, ""),  # minor version compatibility: any 12.x driver (R525+)
+        (12090, 13000, "needs driver R580 or newer"),
+        (0, 13000, "no NVIDIA driver was found"),
+    ],
+)
+def test_driver_floor(driver, runtime, want):
+    from pcie_a2a.cuda_checks import driver_floor_problem
+
+    got = driver_floor_problem(driver, runtime)
+    assert (want in got) if want else got == "", got
+    if "R580" in want:
+        assert "CUDA 12.9" in got and "PCIE_A2A_CUDA_TOOLKIT" in got and "R525" in got
+
+
+def test_cuda_errors_get_a_remedy():
+    from pcie_a2a.cuda_checks import explain_cuda_error
+
+    assert "EXCLUSIVE_PROCESS" in explain_cuda_error("cudaErrorDevicesUnavailable: busy")
+    assert "cuda_unavailable_reason" in explain_cuda_error("x cudaErrorInsufficientDriver y")
+    assert explain_cuda_error("cudaErrorMemoryAllocation") == "cudaErrorMemoryAllocation"
+
+
+def test_probe_failure_names_the_pair_the_causes_and_the_switch():
+    from pcie_a2a.cuda_checks import probe_failures
+
+    plan = [[P2P, P2P, STAGED], [P2P, P2P, P2P], [P2P, P2P, P2P]]
+    bus = ["0000:01:00.0", "0000:41:00.0", None]
+    assert probe_failures([[0, 0, 0]] * 3, plan, bus, 5.0) == ""
+    msg = probe_failures([[0, 1, 0], [0, 0, 0], [2, 0, 0]], plan, bus, 5.0)
+    assert "rank 1 -> rank 0 (P2P over CUDA IPC, GPU 0000:41:00.0 -> GPU 0000:01:00.0): " \
+           "nothing arrived within 5 s" in msg  # fmt: skip
+    assert "rank 0 -> rank 2 (staged through host memory, GPU 0000:01:00.0 -> GPU ?): the " \
+           "bytes that arrived were wrong" in msg  # fmt: skip
+    for cause in ("IOMMU", "ACS", "BAR1", "PCIE_A2A_P2P=0"):
+        assert cause in msg
+
+
+def test_plan_on_rank0_turns_any_exception_into_the_gathered_error(monkeypatch):
+    from pcie_a2a import cuda_backend
+
+    def boom(bus_ids):
+        raise KeyError("GPU 0000:99:00.0")
+
+    monkeypatch.setattr(cuda_backend, "topology_rank_plan", boom)
+    assert cuda_backend.plan_on_rank0(False, BUS8) == (None, "", "KeyError: 'GPU 0000:99:00.0'")
+    assert cuda_backend.plan_on_rank0(True, BUS8) == (None, "explicit plan", None)
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "fn", "want"),
+    [
+        ("PCIE_A2A_RECV_BLOCKS", None, "recv_blocks", None),
+        ("PCIE_A2A_RECV_BLOCKS", "24", "recv_blocks", 24),
+        ("PCIE_A2A_PDL", None, "pdl", True),
+        ("PCIE_A2A_PDL", "0", "pdl", False),
+    ],
+)
+def test_transport_knobs(monkeypatch, name, value, fn, want):
+    from pcie_a2a import env
+
+    if value is None:
+        monkeypatch.delenv(name, raising=False)
+    else:
+        monkeypatch.setenv(name, value)
+    assert getattr(env, fn)() == want
+
+
+def test_recv_blocks_rejects_zero(monkeypatch):
+    from pcie_a2a import env
+
+    monkeypatch.setenv("PCIE_A2A_RECV_BLOCKS", "0")
+    with pytest.raises(ValueError, match=r"PCIE_A2A_RECV_BLOCKS='0': expected an integer >= 1"):
+        env.recv_blocks()
+
+
+# ---- bootstrap failures reach every rank (no rank waits for the process-group timeout) ----
+class _StubNative:
+    """What the bootstrap asks the native module before it builds regions."""
+
+    class CudaTransport:
+        @staticmethod
+        def segment_name(prefix, rank):
+            return f"/{prefix}.h{rank}"
+
+        @staticmethod
+        def unlink_name(name):
+            return False
+
+    report = staticmethod(lambda index: _report())
+
+
+def _rank_bootstrap_fails(rank: int, world: int, where: str) -> str:
+    import time
+
+    from pcie_a2a import cuda_backend
+    from pcie_a2a.placement import Placement
+
+    stub = _StubNative()
+    stub.device_report = _StubNative.report
+    if where == "device" and rank == 1:
+
+        def broken(index):
+            raise RuntimeError("cudaDeviceGetAttribute failed: cudaErrorDevicesUnavailable")
+
+        stub.device_report = broken
+    if where == "exclusive":
+        stub.device_report = lambda index: _report(3)
+    cuda_backend.native = lambda: stub
+    cuda_backend._device = lambda index: torch.device("cpu")
+    cuda_backend.device_uuid = lambda index: "GPU-shared" if where == "exclusive" else f"GPU-{rank}"
+    cuda_backend.cuda_bus_id = lambda index: f"0000:{rank + 1:02x}:00.0"
+
+    def planner_bug(bus_ids):
+        raise KeyError("rank plan lookup")
+
+    cuda_backend.topology_rank_plan = planner_bug
+    t0 = time.monotonic()
+    try:
+        cuda_backend.CudaTransport(
+            None, rank, world, 128, 4, 2, 0, 0, Placement.contiguous(4, world)
+        )
+    except RuntimeError as exc:
+        assert time.monotonic() - t0 < 30, "a rank waited for the process group's timeout"
+        return str(exc)
+    raise AssertionError("the bootstrap did not fail")
+
+
+@pytest.mark.parametrize(
+    ("where", "want"),
+    [
+        ("planner", "while rank 0 planned the pairs: KeyError: 'rank plan lookup'"),
+        ("device", "while querying the devices: rank 1: cudaDeviceGetAttribute failed"),
+        ("exclusive", "ranks [0, 1] share GPU GPU-shared, which is in EXCLUSIVE_PROCESS"),
+    ],
+)
+def test_bootstrap_failure_reaches_every_rank(where, want):
+    """Rank 0's planner raising something unexpected, one rank's device query failing, or
+    the compute mode: every rank raises the same error, at once."""
+    from dist_utils import run_ranks
+
+    msgs = [o.unwrap() for o in run_ranks(2, _rank_bootstrap_fails, where, timeout=90)]
+    for m in msgs:
+        assert want in m, m
+    if where == "device":
+        assert "EXCLUSIVE_PROCESS or PROHIBITED compute mode" in msgs[0]

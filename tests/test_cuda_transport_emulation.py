@@ -9,12 +9,19 @@ touch). Only ``ptx.cuh`` (the inline PTX: acquire/release loads and stores, fenc
 %globaltimer) and ``launch.cuh`` (the chevrons) are replaced. The driver
 (``tests/native/transport_emu/main.cpp``) forks one process per rank; each builds the real
 ``CudaTransport``, exchanges IPC handles, opens its peers with a pair plan (P2P pairs
-through the arena, staged pairs through real POSIX shared memory) and makes the calls
-``pcie_a2a.cuda_backend`` makes, with no barrier between calls. So slot assignment, the
-warp ballots and scans, flag parity and call numbers, the abort and timeout paths, the
-copy-engine path (count, read back, pack, copy, publish) and ``open_peers``/``close``
-(nothing left allocated, mapped or registered) all run, against the same expectations
-as the GPU tests (tests/cuda_transport_cases.py, pcie_a2a.reference), exactly.
+through the arena, staged pairs through real POSIX shared memory), probes every pair, and
+makes the calls ``pcie_a2a.cuda_backend`` makes, with no barrier between calls or before the
+two-phase close. So slot assignment, the warp ballots and scans, the per-warp fp8 quantiser,
+flag parity and call numbers begun by the send kernels, the pollers and work items, the
+staged rows' arrival marks, the abort and timeout paths, device-side id checks, the
+copy-engine path (count, read back, pack, copy, the flag by stream memory operation or
+kernel) and ``open_peers``/probe/``close`` (nothing left allocated, mapped or registered;
+the segment kept when a peer never closes) all run, against the same expectations as the
+GPU tests (tests/cuda_transport_cases.py, pcie_a2a.reference), exactly. Every low-latency
+step also checks what the emulated runtime counted: no host synchronisation and at most two
+stream operations per half (four per dispatch + combine), one graph launch per half when
+replayed from a capture. ``inprocess`` scenarios put the W transports in one process
+(open_local, phase by phase).
 
 The mutation test shows that plausible slips in the kernels (slot parity, slot order,
 ballot rank, warp scan, last-block publish, copy-engine parity, ...) fail here. A reversed
@@ -22,8 +29,10 @@ summation order is not among them: with these inputs its sums round the same.
 
 What it cannot show: memory ordering across real PCIe (the model is sequentially
 consistent within the CPU; a missing fence is invisible), true concurrency of the warps
-of a block (they interleave only at barriers and warp collectives), timing, and the
-compiled SASS.
+of a block (they interleave only at barriers and warp collectives) or of blocks (they run
+one after another, so a work item's wait for an earlier item is always satisfied and the
+staged drain sees whole rows), programmatic dependent launch (launches run in order),
+timing, and the compiled SASS.
 """
 
 from __future__ import annotations
@@ -53,17 +62,23 @@ ROOT = Path(__file__).resolve().parents[1]
 CSRC = ROOT / "csrc"
 EMU = Path(__file__).resolve().parent / "native" / "transport_emu"
 MODEL = Path(__file__).resolve().parent / "native" / "emu"
-SOURCES = ("kernels.cu", "cuda_transport.cu", "ptx.cuh", "launch.cuh", "device_protocol.cuh")
+KERNEL_FILES = ("kernels_send.cu", "kernels_recv.cu", "kernels_combine.cu", "kernels_control.cu")
+SOURCES = (*KERNEL_FILES, "cuda_transport.cu", "ptx.cuh", "launch.cuh", "device_protocol.cuh",
+           "kernel_common.cuh")  # fmt: skip
 SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined"]
-ERR_TIMEOUT, ERR_PEER, ERR_ABORTED = 1, 2, 3  # pa2a::Error::Kind
+ERR_VALUE, ERR_TIMEOUT, ERR_PEER, ERR_ABORTED = 0, 1, 2, 3  # pa2a::Error::Kind
 SHORT_TIMEOUT_MS = 400  # the timeout of steps where a peer never comes
+ONLY0_TIMEOUT_MS = 1000  # ... and of the step where rank 0 waits for seven silent peers
 
 
 def _units(csrc: Path) -> list[tuple[Path, list[str]]]:
-    # kernels.o: -fdata-sections puts every static __shared__ variable in its own section,
+    # kernels_*.o: -fdata-sections puts every static __shared__ variable in its own section,
     # which emu_shared.ld collects (the model refills them with garbage per block).
+    kernels = [
+        (csrc / "cuda" / "transport" / f, ["-x", "c++", "-fdata-sections"]) for f in KERNEL_FILES
+    ]
     return [
-        (csrc / "cuda" / "transport" / "kernels.cu", ["-x", "c++", "-fdata-sections"]),
+        *kernels,
         (csrc / "cuda" / "transport" / "cuda_transport.cu", ["-x", "c++"]),
         (csrc / "core" / "dispatch_layout.cpp", []),
         (csrc / "core" / "numa_memory.cpp", []),
@@ -153,12 +168,20 @@ def emulator(tmp_path_factory) -> Path:
 @dataclass(frozen=True)
 class Scenario:
     case: C.Case
-    # one call sequence per step: ll_rows, ll_em, normal (+ "_raw": fp8 rows as raw bytes),
-    # or KIND:WHO with KIND in abort, abort_combine, abort_silent, skip, mismatch,
-    # count_mismatch (see tests/native/transport_emu/main.cpp)
+    # one call sequence per step: ll_rows, ll_em, graph_rows, graph_em, normal (+ "_raw":
+    # fp8 rows as raw bytes), or KIND:WHO with KIND in abort, abort_combine, abort_silent,
+    # skip, mismatch, count_mismatch, bad_ids, exit (tests/native/transport_emu/main.cpp)
     steps: tuple[str, ...]
     timeout_ms: int = 20_000
     schedule: int = 0  # EMU_SCHEDULE: shuffled block and thread order
+    inprocess: bool = False  # W transports in one process (open_local), phase by phase
+    max_recv_blocks: int = 0  # receive grid cap (0: the emulated SM count, 3)
+    env: tuple[tuple[str, str], ...] = ()  # extra environment of the run (emulated faults)
+    close_ms: int = 30_000  # how long close() waits for the peers' close marks
+    ids64: bool = False  # topk_ids as int64
+    probe: tuple[tuple[int, ...], ...] = ()  # expected probe status per rank (default all 0)
+    leaked: tuple[int, ...] = ()  # ranks whose close() must keep its segment (a peer's mark
+    # never came)
 
     @property
     def name(self) -> str:
@@ -179,7 +202,23 @@ def _dispatch_slot(case: C.Case) -> int:
 
 def _calls(kind: str) -> int:
     """Call numbers a step consumes (every rank, whoever skips or aborts)."""
-    return 1 if kind in ("abort", "abort_combine", "abort_silent", "skip", "mismatch") else 2
+    if kind == "exit":
+        return 0
+    one = ("abort", "abort_combine", "abort_silent", "skip", "only0", "mismatch")
+    return 1 if kind in one else 2
+
+
+def _sent_ids(ids: torch.Tensor, experts: int) -> torch.Tensor:
+    """What a rank with bad ids sends: entries the reference has as -1 (so the expectations
+    stay the reference's) replaced by an id past E, an id below -1 and a repeat of the
+    token's first expert; the device must skip exactly those and report them."""
+    bad = ids.clone()
+    t, k = bad.shape
+    assert t > 5 and k >= 2 and bool((bad[[0, 3, 5], [-1, 0, -1]] == -1).all())
+    bad[0, -1] = experts + 3
+    bad[3, 0] = -7
+    bad[5, -1] = bad[5, 0]
+    return bad
 
 
 def _bytes(t: torch.Tensor) -> bytes:
@@ -193,13 +232,13 @@ def _y(case: C.Case, kind: str, step: int, rank: int) -> torch.Tensor | None:
     dtype = C.DTYPES[case.dtype][0]
     if kind == "normal":
         return C.rows_fn(exp.x, rank)
-    if kind == "ll_rows":
+    if kind in ("ll_rows", "graph_rows", "bad_ids"):
         y = torch.zeros(w * m, h, dtype=dtype)
         for s in range(w):
             sel = (exp.src_rank == s).nonzero().flatten()
             y[s * m : s * m + sel.numel()] = C.rows_fn(exp.x[sel], rank)
         return y
-    if kind == "ll_em":
+    if kind in ("ll_em", "graph_em"):
         e_local = C.placement(case).num_local_experts(rank)
         y = torch.zeros(e_local, w * m, h, dtype=dtype)
         for e, rows in enumerate(C.expert_lists(exp, e_local)):
@@ -207,6 +246,12 @@ def _y(case: C.Case, kind: str, step: int, rank: int) -> torch.Tensor | None:
                 y[e, : len(rows)] = C.em_fn(exp.x[rows], e)
         return y
     return None
+
+
+def _step_timeout_ms(sc: Scenario, kind: str) -> int:
+    if kind == "only0":
+        return ONLY0_TIMEOUT_MS
+    return SHORT_TIMEOUT_MS if kind in ("skip", "abort_silent") else sc.timeout_ms
 
 
 def _ce_bytes(case: C.Case, slot: int) -> int:
@@ -230,6 +275,7 @@ def write_scenario(sc: Scenario, d: Path) -> None:
     for r in range(w):
         lines.append(f"send {r} " + " ".join("1" if v == "staged" else "0" for v in plan[r]))
         lines.append(f"order {r} " + " ".join(map(str, C.send_order(case)[r])))
+    lines.append(f"options {int(sc.inprocess)} {sc.max_recv_blocks} 3000 {sc.close_ms}")
     ce_d = _ce_bytes(case, _dispatch_slot(case))
     ce_c = _ce_bytes(case, 2 * case.hidden)
     for i, step in enumerate(sc.steps):
@@ -237,14 +283,18 @@ def write_scenario(sc: Scenario, d: Path) -> None:
         raw = kind.endswith("_raw")
         kind = kind.removesuffix("_raw")
         lines.append(
-            f"step {i} {kind} {who or -1} {ce_d} {ce_c} {int(raw)} "
-            f"{SHORT_TIMEOUT_MS if kind in ('skip', 'abort_silent') else sc.timeout_ms}"
+            f"step {i} {kind} {who or -1} {ce_d} {ce_c} {int(raw)} {_step_timeout_ms(sc, kind)}"
         )
         for r in range(w):
             x, ids, wts = C.inputs(case, r, i)
             lines.append(f"shape {i} {r} {x.shape[0]} {ids.shape[1]}")
             (d / f"s{i}.r{r}.x").write_bytes(_bytes(x))
-            (d / f"s{i}.r{r}.ids").write_bytes(_bytes(ids.to(torch.int32)))
+            if kind == "bad_ids" and r == int(who):
+                ids = _sent_ids(ids, case.experts)
+            if sc.ids64:
+                (d / f"s{i}.r{r}.ids64").write_bytes(_bytes(ids.to(torch.int64)))
+            else:
+                (d / f"s{i}.r{r}.ids").write_bytes(_bytes(ids.to(torch.int32)))
             (d / f"s{i}.r{r}.w").write_bytes(_bytes(wts.float()))
             y = _y(case, kind, i, r)
             if y is not None:
@@ -264,6 +314,7 @@ def run_scenario(binary: Path, sc: Scenario, d: Path) -> float:
         ASAN_OPTIONS="detect_leaks=0:abort_on_error=0",
         UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1",
         EMU_SCHEDULE=str(sc.schedule),
+        **dict(sc.env),
     )
     t0 = time.monotonic()
     r = subprocess.run([str(binary), str(d)], capture_output=True, text=True, env=env, timeout=300)
@@ -281,6 +332,9 @@ class Out:
         txt = d / f"s{step}.r{rank}.txt"
         for line in txt.read_text().splitlines() if txt.exists() else []:
             key, _, value = line.partition(" ")
+            if key == "counts":  # "counts HALF LAUNCHES SYNCS PDL"
+                half, _, value = value.partition(" ")
+                key = f"counts_{half}"
             self.log[key] = value
 
     def __call__(self, name: str, dtype: torch.dtype, *shape: int) -> torch.Tensor:
@@ -314,7 +368,8 @@ def _check_rows_step(case: C.Case, kind: str, raw: bool, step: int, rank: int, o
     exp_all = C.expected(case, step)
     exp = exp_all[rank]
     t = C.tokens(case, rank)
-    n = w * m if kind == "ll_rows" else exp.x.shape[0]
+    ll = kind in ("ll_rows", "graph_rows")
+    n = w * m if ll else exp.x.shape[0]
     b = {
         "counts": o("counts", torch.int32, w),
         "src_rank": o("src_rank", torch.int32, n),
@@ -330,7 +385,7 @@ def _check_rows_step(case: C.Case, kind: str, raw: bool, step: int, rank: int, o
     else:
         b["xo"] = o("xo", dtype, n, h)
     _check_send_side(case, step, rank, o, exp_all)
-    if kind == "ll_rows":
+    if ll:
         C.check_ll_rows(case, rank, step, b, t)
         return
     assert b["counts"].tolist() == [int((exp.src_rank == s).sum()) for s in range(w)]
@@ -353,7 +408,8 @@ def _check_rows_step(case: C.Case, kind: str, raw: bool, step: int, rank: int, o
             assert int(o.log[key]) == want_mask, f"{key} mask"
 
 
-def _check_em_step(case: C.Case, raw: bool, step: int, rank: int, o: Out) -> None:
+def _check_em_step(case: C.Case, raw: bool, step: int, rank: int, o: Out, reduce=True) -> None:
+    """reduce: the step also ran the pre-reduction alone (reduce_expert_major)."""
     w, m, h, k = case.world, case.max_tokens, case.hidden, case.num_topk
     cap = w * m
     dtype = C.DTYPES[case.dtype][0]
@@ -378,7 +434,7 @@ def _check_em_step(case: C.Case, raw: bool, step: int, rank: int, o: Out) -> Non
     row_experts = o("row_experts", torch.int32, w, m, k)
     row_weights = o("row_weights", torch.float32, w, m, k)
     expert_pos = o("expert_pos", torch.int32, w, m, k)
-    reduced = o("reduced", dtype, w, m, h)
+    reduced = o("reduced", dtype, w, m, h) if reduce else None
     lists = C.expert_lists(exp, e_local)
     partial = C.pre_reduced(exp, dtype)
     for s in range(w):
@@ -395,14 +451,60 @@ def _check_em_step(case: C.Case, raw: bool, step: int, rank: int, o: Out) -> Non
         assert bool((row_experts[s, len(rows) :] == -1).all())
         assert bool((row_weights[s, len(rows) :] == 0).all())
         assert bool((expert_pos[s, len(rows) :] == -1).all())
-        assert torch.equal(C.bits(reduced[s, : len(rows)]), C.bits(partial[rows])), "reduced"
+        if reduced is not None:
+            assert torch.equal(C.bits(reduced[s, : len(rows)]), C.bits(partial[rows])), "reduced"
     want = C.combined(case, step, C.em_partials(case, step))[rank]
     out = o("out", dtype, C.tokens(case, rank), h)
     assert torch.equal(C.bits(out), C.bits(want)), "expert-major combine differs"
 
 
+# A low-latency dispatch + combine through the Buffer's calls: at most this many stream
+# operations (kernel launches, async copies, memsets) per half, and no host synchronisation
+# (issue 10: 0 syncs, <= 4 launches). The counts come from the emulated runtime, which runs
+# the real CudaTransport host code.
+LL_LAUNCHES_PER_HALF = 2
+GRAPH_LAUNCHES_PER_HALF = 1
+
+
+def _check_counts(o: Out, graph: bool, inprocess: bool) -> None:
+    if inprocess:  # one process counts every rank's work: nothing per rank to compare
+        return
+    want = GRAPH_LAUNCHES_PER_HALF if graph else LL_LAUNCHES_PER_HALF
+    for half in ("dispatch", "combine"):
+        assert f"counts_{half}" in o.log, f"no counts of the {half}: {o.log}"
+        launches, syncs, pdl = map(int, o.log[f"counts_{half}"].split())
+        assert syncs == 0, f"{half}: {syncs} host synchronisations"
+        assert launches <= want, f"{half}: {launches} launches, expected <= {want}"
+        if not graph:  # the emulated device is sm_90: every kernel uses PDL
+            assert pdl == launches, f"{half}: {pdl} of {launches} launches with PDL"
+
+
+def _check_stats(case: C.Case, o: Out) -> None:
+    """The send kernels' statistics after the combine: its rows per source = received."""
+    assert "stats" in o.log, f"no statistics: {o.log}"
+    calls, family, *rows = map(int, o.log["stats"].split())
+    assert family == 1 and calls >= 2, o.log["stats"]
+    assert rows == o("counts", torch.int32, case.world).tolist(), "stats rows"
+
+
+def _check_rank_log(sc: Scenario, d: Path, r: int) -> None:
+    """The bootstrap probe and close() of rank r (DIR/r<R>.txt)."""
+    lines = (d / f"r{r}.txt").read_text().splitlines() if (d / f"r{r}.txt").exists() else []
+    probe = [ln.split()[1:] for ln in lines if ln.startswith("probe")]
+    want = dict(sc.probe).get(r, (0,) * sc.case.world) if not sc.inprocess else None
+    if want is not None:
+        assert probe and tuple(map(int, probe[0])) == tuple(want), f"rank {r} probe {probe}"
+    closed = [ln.split()[1] for ln in lines if ln.startswith("close")]
+    if any(st.startswith("exit:") and int(st.split(":")[1]) == r for st in sc.steps):
+        assert not closed, f"rank {r} exited yet closed"
+        return
+    assert closed == ["LEAKED" if r in sc.leaked else "OK"], f"rank {r} close {closed}"
+
+
 def check_scenario(sc: Scenario, d: Path) -> None:
     case = sc.case
+    for r in range(case.world):
+        _check_rank_log(sc, d, r)
     seq = 0
     for i, step in enumerate(sc.steps):
         kind, _, who_s = step.partition(":")
@@ -416,12 +518,31 @@ def check_scenario(sc: Scenario, d: Path) -> None:
             err = o.error()
             where = f"{sc.name} step {i} ({step}) rank {r}"
             try:
-                if kind in ("ll_rows", "normal"):
+                assert "elapsed_ms" in o.log or kind == "exit", f"no complete log: {o.log}"
+                if kind in ("ll_rows", "ll_em", "graph_rows", "graph_em"):
+                    assert err is None, err
+                    _check_counts(o, graph=kind.startswith("graph"), inprocess=sc.inprocess)
+                    if not kind.startswith("graph"):
+                        _check_stats(case, o)
+                if kind in ("ll_rows", "normal", "graph_rows"):
                     assert err is None, err
                     _check_rows_step(case, kind, raw, i, r, o)
-                elif kind == "ll_em":
+                elif kind in ("ll_em", "graph_em"):
                     assert err is None, err
-                    _check_em_step(case, raw, i, r, o)
+                    _check_em_step(case, raw, i, r, o, reduce=kind == "ll_em")
+                elif kind == "bad_ids":  # the rows are the reference's; `who` is told
+                    _check_counts(o, graph=False, inprocess=sc.inprocess)
+                    if r == who:
+                        assert err is not None and err[0] == ERR_VALUE, err
+                        assert (
+                            f"topk_ids of low_latency_dispatch (call {first}) on rank {who}"
+                            in err[1]
+                        ), err
+                    else:
+                        assert err is None, err
+                    _check_rows_step(case, "ll_rows", raw, i, r, o)
+                elif kind == "exit":
+                    pass
                 elif kind in ("abort", "abort_combine"):
                     op = "dispatch" if kind == "abort" else "combine"
                     if r == who:
@@ -438,6 +559,15 @@ def check_scenario(sc: Scenario, d: Path) -> None:
                         # one timed out: ~400 ms, not 400 ms for each of its 10 blocks (the
                         # bound leaves room for a loaded machine)
                         assert int(o.log["elapsed_ms"]) < 2500, o.log
+                elif kind == "only0":  # rank 0 waits for 7 silent peers, one receive block
+                    if r == 0:
+                        assert err is not None and err[0] == ERR_TIMEOUT, err
+                        assert f"(call {first}) waiting for rank 1" in err[1], err
+                        # the pollers of the other silent peers give up once the first timed
+                        # out (the error word, read on the timer path): one timeout, not seven
+                        assert int(o.log["elapsed_ms"]) < 4 * ONLY0_TIMEOUT_MS, o.log
+                    else:
+                        assert err is None, err
                 elif kind == "abort_silent":
                     silent = case.world - 1
                     if r != silent:
@@ -457,13 +587,16 @@ def check_scenario(sc: Scenario, d: Path) -> None:
                 elif kind == "mismatch":
                     assert err is not None and err[0] == ERR_PEER, err
                     assert "is in another call" in err[1], err
-            except AssertionError as exc:
-                raise AssertionError(f"{where}: {exc}") from exc
+            except (AssertionError, KeyError, ValueError, OSError, RuntimeError) as exc:
+                # a missing or short output is a failed check too (a mutant cut the step short)
+                raise AssertionError(f"{where}: {type(exc).__name__}: {exc}") from exc
 
 
 # ---- the table -------------------------------------------------------------------------------
 def S(name: str, world: int, steps: str, **kw) -> Scenario:
-    sc = {k: kw.pop(k) for k in ("timeout_ms", "schedule") if k in kw}
+    fields = ("timeout_ms", "schedule", "inprocess", "max_recv_blocks", "env", "close_ms", "ids64",
+              "probe", "leaked")  # fmt: skip
+    sc = {k: kw.pop(k) for k in fields if k in kw}
     return Scenario(C.Case(name, world, "emu", **kw), tuple(steps.split()), **sc)
 
 
@@ -500,8 +633,35 @@ SCENARIOS = [
     S("w2_prefill_ce_mixed", 2, "normal ll_rows normal", max_tokens=300, copy_engine="mixed",
       experts=16, seed=43),
     S("w2_timeout", 2, "ll_rows skip:1", max_tokens=160, seed=40),
+    # seven silent peers and one receive block: their pollers run one after another
+    S("w8_only_rank0_calls", 8, "only0", experts=16, max_tokens=8, max_recv_blocks=1, seed=44),
     S("w2_op_mismatch", 2, "normal mismatch:1", seed=41),
     S("w3_abort_silent_peer", 3, "ll_em abort_silent:0", experts=9, seed=42),
+    # W transports in one process, each on its own stream, tables from each other's pointers
+    # (open_local, no IPC), the calls of all ranks issued phase by phase
+    S("w4_inprocess_mixed", 4, "ll_rows ll_em ll_rows", transport="mixed", experts=16,
+      inprocess=True, seed=60),
+    S("w2_inprocess_staged_fp8", 2, "ll_em ll_rows", payload="fp8", transport="staged",
+      inprocess=True, seed=61),
+    # CUDA graphs: both halves captured once, replayed with new inputs (both parities, reuse)
+    S("w2_graph_rows", 2, "graph_rows graph_rows graph_rows", seed=62),
+    S("w4_graph_em_mixed_fp8", 4, "graph_em graph_em graph_em", payload="fp8", experts=16,
+      transport="mixed", seed=63),
+    # int64 ids; ids past E, below -1 and repeated, skipped and reported by the device
+    S("w2_ids64_bad_ids", 2, "ll_rows bad_ids:0 ll_em", ids64=True, seed=64),
+    # receive grids capped at one block (every item on one block), and above the items
+    S("w4_one_recv_block", 4, "ll_rows ll_em normal", experts=16, max_recv_blocks=1, seed=65),
+    S("w2_many_recv_blocks", 2, "ll_em ll_rows", max_recv_blocks=64, seed=66),
+    # the copy engine's flags by a kernel where stream memory operations are missing
+    S("w2_ce_flag_kernel", 2, "normal", copy_engine="all", seed=67,
+      env=(("EMU_NO_STREAM_MEMOPS", "1"),)),
+    # "P2P supported" but not working: every store into rank 1's memory through IPC is lost.
+    # Its probe names rank 0, and its close keeps its segment (rank 0's mark never came).
+    S("w2_p2p_blackhole", 2, "", env=(("EMU_IPC_BLACKHOLE", "1"),), probe=((1, (1, 0)),),
+      leaked=(1,), close_ms=300),
+    # a rank that exits without close(): the others keep their segments
+    S("w3_exit_without_close", 3, "ll_rows exit:2", experts=9, leaked=(0, 1), close_ms=300,
+      seed=68),
 ]  # fmt: skip
 
 
@@ -518,68 +678,174 @@ def test_transport_matches_reference(emulator, tmp_path, sc):
 MUTATIONS = [
     # dispatch rows stored in the other parity's slots than the receiver reads
     (
-        "kernels.cu",
-        ": dispatch_slot(k, k.peers->send_base[d], static_cast<int>(t.parity), k.rank, j);",
-        ": dispatch_slot(k, k.peers->send_base[d], static_cast<int>(t.seq & 1u), k.rank, j);",
+        "kernels_send.cu",
+        ": dispatch_slot(k, k.peers->send_base[d], static_cast<int>(t.parity),",
+        ": dispatch_slot(k, k.peers->send_base[d], static_cast<int>(t.seq & 1u),",
         "w2_bf16_p2p",
     ),
     # slots of a destination assigned in reverse token order within a block
     (
-        "kernels.cu",
+        "kernels_send.cu",
         "    for (int i = 0; i < ntok; ++i) {\n      if (!((mask[i] >> d) & 1ull)) continue;",
         "    for (int i = ntok - 1; i >= 0; --i) {\n      if (!((mask[i] >> d) & 1ull)) continue;",
         "w2_bf16_p2p",
     ),
     # a row's experts ranked from the top lane down in the ballot
     (
-        "kernels.cu",
+        "kernels_send.cu",
         "const int at = n + __popc(bal & lanemask_lt());",
         "const int at = n + __popc(bal) - 1 - __popc(bal & lanemask_lt());",
         "w2_bf16_p2p",
     ),
-    # the expert-major warp scan adds every shuffled value (lanes below the offset too)
-    ("kernels.cu", "if (lane >= o) incl += v;", "incl += v;", "w1_bf16"),
-    # the first block to finish publishes the flags instead of the last one
+    # a block's rows laid out in planner order all start at row 0 (they overwrite each other)
+    ("kernels_send.cu", "      first_row[d] = r;", "      first_row[d] = 0;", "w4_fp16_mixed_reversed"),
+    # the per-block counts of earlier tokens are not zeroed (shared memory starts as garbage)
+    ("kernels_send.cu", "  for (int d = tid; d < W; d += blockDim.x) base[d] = 0;\n", "", "w2_bf16_p2p"),
+    # fp8: the group's |max| of one lane instead of the warp's (the per-warp quantiser)
     (
-        "kernels.cu",
-        "last = atomicAdd(arrive, 1u) == gridDim.x * gridDim.y - 1;",
-        "last = atomicAdd(arrive, 1u) == 0;",
-        "w2_bf16_p2p",
+        "kernels_send.cu",
+        "const float amax = bits_float(__reduce_max_sync(kFull, m));",
+        "const float amax = bits_float(m);",
+        "w2_fp8_staged_raw",
+    ),
+    # a staged row's arrival mark with the wrong call: the receiver must wait for the mark
+    (
+        "kernels_send.cu",
+        "(static_cast<uint64_t>(t.seq) << 32) | static_cast<uint32_t>(k.rank));",
+        "(static_cast<uint64_t>(t.seq + 1) << 32) | static_cast<uint32_t>(k.rank));",
+        "w2_fp8_staged_raw",
+    ),
+    # the expert-major warp scan adds every shuffled value (lanes below the offset too)
+    ("kernels_recv.cu", "if (lane >= o) incl += v;", "incl += v;", "w1_bf16"),
+    # expert-major: a source's rows placed after its own rows instead of the earlier sources'
+    (
+        "kernels_recv.cu",
+        "for (int r = 0; r < s; ++r) b += __ldcg(cnt_ws + e * W + r);",
+        "for (int r = 0; r <= s; ++r) b += __ldcg(cnt_ws + e * W + r);",
+        "w3_abort_silent_peer",
+    ),
+    # expert-major: src_info's -1 padding starts one row late
+    (
+        "kernels_recv.cu",
+        "for (int64_t p = sum + lane; p < cap; p += 32)",
+        "for (int64_t p = sum + 1 + lane; p < cap; p += 32)",
+        "w1_bf16",
     ),
     # fp8 dequantisation with the scale of the wrong 128-channel group
     (
-        "kernels.cu",
+        "kernels_recv.cu",
         "dequant16<kDT>(q[v], sc[(v * 16) / kFp8GroupSize], o, o + 1);",
         "dequant16<kDT>(q[v], sc[v / kFp8GroupSize], o, o + 1);",
         "w2_fp8_staged_raw",
     ),
-    # expert-major: a source's rows placed after its own rows instead of the earlier sources'
-    ("kernels.cu", "      if (r < s) b += v;", "      if (r <= s) b += v;", "w3_abort_silent_peer"),
-    # the row counter of a dispatch block is not zeroed (shared memory starts as garbage)
-    ("kernels.cu", "  if (tid == 0) nrows = 0;\n", "", "w2_bf16_p2p"),
     # low-latency rows past a source's count are left unmarked
     (
-        "kernels.cu",
+        "kernels_recv.cu",
         "const int j1 = min(j0 + kRowsPerBlock, wait ? M : n);",
         "const int j1 = min(j0 + kRowsPerBlock, n);",
+        "w2_bf16_p2p",
+    ),
+    # the poller mirrors the flag under another call number: the other items never see it
+    (
+        "kernels_recv.cu",
+        "  publish_mirror(k.state, s, t.seq, n);\n}",
+        "  publish_mirror(k.state, s, t.seq - 1, n);\n}",
+        "w2_bf16_p2p",
+    ),
+    # the fused expert-major pre-reduction forgets the routing weight
+    (
+        "kernels_combine.cu",
+        "acc[i] = __fadd_rn(acc[i], __fmul_rn(w, f[i]));",
+        "acc[i] = __fadd_rn(acc[i], f[i]);",
+        "w1_bf16",
+    ),
+    # the copy engine's fallback flag kernel announces the wrong count
+    (
+        "kernels_send.cu",
+        "st_release_sys(&f->word, pack_flag(seq, count));",
+        "st_release_sys(&f->word, pack_flag(seq, count + 1));",
+        "w2_ce_flag_kernel",
+    ),
+    # combine_recv no longer checks a source's row count against what it sent there
+    (
+        "kernels_combine.cu",
+        "wait_flag(f, t, d, M, send_count[d], timeout_ns, k.err)",
+        "wait_flag(f, t, d, M, -1, timeout_ns, k.err)",
+        "w4_sparse_placement",
+    ),
+    # the first block to finish publishes the flags instead of the last one
+    (
+        "kernel_common.cuh",
+        "last = atomicAdd(&k.state->arrive[family], 1u) == gridDim.x * gridDim.y - 1;",
+        "last = atomicAdd(&k.state->arrive[family], 1u) == 0;",
+        "w2_bf16_p2p",
+    ),
+    # the send kernel begins the call but never advances the call number
+    ("kernel_common.cuh", "      st->seq = t.seq;\n", "", "w2_bf16_p2p"),
+    # the receive kernel's last block does not reset the work tickets for the next one
+    ("kernel_common.cuh", "    k.state->recv_ticket = 0;\n", "", "w2_bf16_p2p"),
+    # the expert counts are moved out but not zeroed for the next unpack
+    (
+        "kernel_common.cuh",
+        "expert_count[e] = atomicExch(k.ecount + e, 0);",
+        "expert_count[e] = k.ecount[e];",
+        "w2_bf16_p2p",
+    ),
+    # a token's repeated expert is not detected (sent twice, not reported)
+    (
+        "kernel_common.cuh",
+        "  for (int q = 0; q < kk; ++q)\n    if (load_id(ids, ids64, row + q) == e) {",
+        "  for (int q = 0; q < 0; ++q)\n    if (load_id(ids, ids64, row + q) == e) {",
+        "w2_ids64_bad_ids",
+    ),
+    # int64 ids read as int32
+    (
+        "kernel_common.cuh",
+        "  return ids64 ? static_cast<const int64_t*>(ids)[i]",
+        "  return ids64 ? static_cast<const int32_t*>(ids)[i]",
+        "w2_ids64_bad_ids",
+    ),
+    # the bootstrap probe writes the pattern of the other direction
+    (
+        "kernels_control.cu",
+        "*reinterpret_cast<uint4*>(line) = probe_pattern(k.rank, d, nonce);",
+        "*reinterpret_cast<uint4*>(line) = probe_pattern(d, k.rank, nonce);",
+        "w2_bf16_p2p",
+    ),
+    # the close mark lands in another source's line: a peer would free too early or never
+    (
+        "kernels_control.cu",
+        "k.peers->send_base[d] + kCloseLineOff + static_cast<size_t>(k.rank) * kCloseLineBytes;",
+        "k.peers->send_base[d] + kCloseLineOff + static_cast<size_t>(d) * kCloseLineBytes;",
         "w2_bf16_p2p",
     ),
     # an abort recorded first hides a peer that never came
     (
         "device_protocol.cuh",
-        "if (old == 0 || (error_code(old) == DeviceError::kAborted && code != DeviceError::kAborted))",
+        "if (old == 0 || (error_is_mild(error_code(old)) && !error_is_mild(code)))",
         "if (old == 0)",
         "w3_abort_silent_peer",
     ),
     # every receive block waits out its own full timeout after the first one expired
-    ("device_protocol.cuh", "      if (timed_out_elsewhere(err)) return -1;\n", "", "w2_timeout"),
+    ("device_protocol.cuh", "      if (timed_out_elsewhere(err)) return false;\n", "",
+     "w8_only_rank0_calls"),
     # host: a staged sender's rows are looked for in the receiver's device segment
     (
         "cuda_transport.cu",
-        "table_.recv_base[r] = host_seg_dev_;",
+        "table_.recv_base[r] = r != rank_ && staged_in ? host_seg_dev_ : dev_seg_;",
         "table_.recv_base[r] = dev_seg_;",
         "w2_fp8_staged_raw",
     ),
+    # host: in one process, a staged pair writes the peer's device segment
+    (
+        "cuda_transport.cu",
+        "      table_.send_base[r] = p->host_seg_dev_;",
+        "      table_.send_base[r] = p->dev_seg_;",
+        "w2_inprocess_staged_fp8",
+    ),
+    # host: close() frees its segment without waiting for the peers' close marks
+    ("cuda_transport.cu", "  bool all = close_marks_arrived(&missing);", "  bool all = true;",
+     "w3_exit_without_close"),
     # host: close() forgets a device buffer (the model lists what a rank still holds)
     ("cuda_transport.cu", "  (void)cudaFree(cnt_ws_);\n", "", "w1_bf16"),
     # host: the copy-engine transfer lands in the other parity's slots
@@ -587,6 +853,13 @@ MUTATIONS = [
         "cuda_transport.cu",
         "layout_.dispatch_off + slot_offset(config_, static_cast<int>(t.parity), rank_, 0, slot);",
         "layout_.dispatch_off + slot_offset(config_, 1 - static_cast<int>(t.parity), rank_, 0, slot);",
+        "w4_bf16_ce_all_staged",
+    ),
+    # host: the copy engine's flag (a stream memory operation) announces the wrong count
+    (
+        "cuda_transport.cu",
+        "write64_(s, addr + offsetof(FlagLine, word), pack_flag(t.seq, count), 0) == 0)",
+        "write64_(s, addr + offsetof(FlagLine, word), pack_flag(t.seq, count + 1), 0) == 0)",
         "w4_bf16_ce_all_staged",
     ),
 ]  # fmt: skip
@@ -600,7 +873,10 @@ def _mutant(base: Path, tmp: Path, n: int, mutations=MUTATIONS, fast: bool = Tru
     for sub in ("core", "cuda/transport"):
         shutil.copytree(CSRC / sub, tree / sub)
     mutate(tree / "cuda" / "transport" / fname, old, new, f"mutation {n}")
-    rebuild = ("kernels.cu", "cuda_transport.cu") if fname.endswith(".cuh") else (fname,)
+    rebuild = {
+        "kernel_common.cuh": KERNEL_FILES,
+        "device_protocol.cuh": (*KERNEL_FILES, "cuda_transport.cu"),
+    }.get(fname, (fname,))
     return build_emulator(tmp / f"m{n}" / "build", tree, base=base, rebuild=rebuild, fast=fast)
 
 
@@ -609,7 +885,7 @@ def test_emulation_catches_mutations(emulator, tmp_path):
     base = emulator.parent
 
     def check(n: int, binary: Path) -> None:
-        sc = dataclasses.replace(_BY_NAME[MUTATIONS[n][3]], timeout_ms=2000)
+        sc = dataclasses.replace(_BY_NAME[MUTATIONS[n][3]], timeout_ms=2000, close_ms=2000)
         d = tmp_path / f"m{n}" / "run"
         run_scenario(binary, sc, d)
         check_scenario(sc, d)
@@ -625,17 +901,17 @@ def test_emulation_catches_mutations(emulator, tmp_path):
 FAULTS = [
     # a row header stored 4 bytes off its 16-byte slot alignment (a misaligned vector store)
     (
-        "kernels.cu",
-        "if (lane == 0) *reinterpret_cast<int4*>(slot) = make_int4(tok, n, k.rank, 0);",
-        "if (lane == 0) *reinterpret_cast<int4*>(slot + 4) = make_int4(tok, n, k.rank, 0);",
+        "kernels_send.cu",
+        "*reinterpret_cast<int4*>(slot) = make_int4(tok, n, k.rank, static_cast<int>(t.seq));",
+        "*reinterpret_cast<int4*>(slot + 4) = make_int4(tok, n, k.rank, static_cast<int>(t.seq));",
         "w2_bf16_p2p",
         "misaligned address",
     ),
     # one element past an output buffer (ASan: the arena outside live allocations)
     (
-        "kernels.cu",
-        "    if (lane == 0) src_rank[i] = src_token[i] = -1;\n",
-        "    if (lane == 0) src_rank[i] = src_token[i + 1] = -1;\n",
+        "kernels_recv.cu",
+        "        if (lane == 0) src_rank[i] = src_token[i] = -1;\n",
+        "        if (lane == 0) src_rank[i] = src_token[i + 1] = -1;\n",
         "w2_bf16_p2p",
         "AddressSanitizer",
     ),
@@ -668,10 +944,60 @@ def test_emulated_sources_are_the_transport():
         assert "<<<" not in text, f"{path.name} launches a kernel outside launch.cuh"
     for name, fns in (
         ("ptx.cuh", ("ld_acquire_sys", "ld_relaxed_sys", "st_release_sys", "st_relaxed_sys",
-                     "fence_acq_rel_sys", "globaltimer_ns", "lanemask_lt", "dynamic_smem")),
+                     "ld_acquire_gpu", "st_release_gpu", "griddep_wait",
+                     "griddep_launch_dependents", "fence_acq_rel_sys", "globaltimer_ns",
+                     "lanemask_lt", "dynamic_smem")),
         ("launch.cuh", ("launch_kernel",)),
     ):  # fmt: skip
         real = (CSRC / "cuda" / "transport" / name).read_text()
         emu = (EMU / "override" / "cuda" / "transport" / name).read_text()
         for fn in fns:
             assert re.search(rf"\b{fn}\(", real) and re.search(rf"\b{fn}\(", emu), (name, fn)
+
+
+def test_every_kernel_is_loaded_at_construction():
+    """load_transport_kernels() names every __global__ kernel of the transport (each template
+    instance), so lazy loading never happens in the middle of a call; the emulated runtime
+    also refuses to launch a kernel that was not loaded first."""
+    loaded = set()
+    for f in KERNEL_FILES:
+        text = (CSRC / "cuda" / "transport" / f).read_text()
+        kernel = r"__global__ void(?: __launch_bounds__\(\w+\))?\s+(\w+)\("
+        kernels = re.findall(kernel, text)
+        templated = set(re.findall(r"template <[^>]*>\s*" + kernel, text))
+        loads = re.findall(r"PA2A_LOAD\(\(?(\w+)(<[^)]*>)?\)?\)", text)
+        names = {n for n, _ in loads}
+        loaded |= names
+        for k in kernels:
+            assert k in names, f"{f}: kernel {k} is not in its load list"
+        for k in templated:  # four instances (dtype x fp8) or two (dtype)
+            instances = [a for n, a in loads if n == k]
+            assert len(instances) in (2, 4) and len(set(instances)) == len(instances), (f, k)
+    assert loaded, "no PA2A_LOAD lines found"
+
+
+def test_cuda_host_segment_says_dev_shm_is_too_small(emulator, tmp_path):
+    """A staged receiver's host segment that does not fit in /dev/shm: an error naming it
+    and the flags, from the real host code, not a SIGBUS (a small private /dev/shm)."""
+    from test_shm_space import in_small_shm
+
+    sc = dataclasses.replace(_BY_NAME["w2_fp8_staged_raw"], steps=())
+    sc = dataclasses.replace(sc, case=dataclasses.replace(sc.case, hidden=1024, max_tokens=256))
+    d = tmp_path / "run"
+    d.mkdir()
+    write_scenario(sc, d)
+    run = f"import subprocess, sys; sys.exit(subprocess.run([{str(emulator)!r}, {str(d)!r}]).returncode)"
+    r = in_small_shm(run, size="2m")
+    assert r.returncode == 1, f"exit {r.returncode} (135: SIGBUS)\n{r.stderr[-3000:]}"
+    assert "/dev/shm is too small" in r.stderr and "--shm-size=" in r.stderr, r.stderr[-3000:]
+    assert "the shared-memory segment /pcie_a2a." in r.stderr, r.stderr[-3000:]
+
+
+def test_gpu_without_host_registration_is_refused_clearly(emulator, tmp_path):
+    """cudaDevAttrHostRegisterSupported = 0 on a rank that needs staging memory: an error
+    naming the attribute and what to do, at construction, not a failed call later."""
+    sc = dataclasses.replace(_BY_NAME["w2_fp8_staged_raw"], steps=(),
+                             env=(("EMU_NO_HOST_REGISTER", "1"),))  # fmt: skip
+    with pytest.raises(EmulatorError, match=r"cudaDevAttrHostRegisterSupported = 0\), which the "
+                       r"host-staged pairs of this plan need"):  # fmt: skip
+        run_scenario(emulator, sc, tmp_path / "run")

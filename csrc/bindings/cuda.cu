@@ -39,6 +39,14 @@ PYBIND11_MODULE(_cuda, m) {
   m.def("device_count", &device_count, "(count, error string) from cudaGetDeviceCount");
   m.attr("cuda_runtime_version") = CUDART_VERSION;
   m.def(
+      "driver_version",
+      [] {
+        int v = 0;  // 0: no driver
+        if (cudaDriverGetVersion(&v) != cudaSuccess) (void)cudaGetLastError();
+        return v;
+      },
+      "the CUDA version the installed driver supports (1000 * major + 10 * minor), 0 if none");
+  m.def(
       "quantize_fp8",
       [](uintptr_t x, int dtype, int64_t rows, int32_t hidden, uintptr_t q, uintptr_t scales,
          uintptr_t stream) {

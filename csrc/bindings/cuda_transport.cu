@@ -16,6 +16,7 @@
 namespace py = pybind11;
 using pa2a::cuda::CallTicket;
 using pa2a::cuda::CudaTransport;
+using pa2a::cuda::DeviceReport;
 
 namespace {
 
@@ -41,20 +42,44 @@ PYBIND11_MODULE(_cuda_transport, m) {
   m.attr("TICKET_BYTES") = sizeof(CallTicket);
   m.attr("P2P") = static_cast<int>(pa2a::cuda::PairTransport::kP2P);
   m.attr("STAGED") = static_cast<int>(pa2a::cuda::PairTransport::kStaged);
+  m.attr("CUDART_VERSION") = CUDART_VERSION;
+
+  m.def(
+      "device_report",
+      [](int32_t device) {
+        DeviceReport r;
+        {
+          py::gil_scoped_release release;
+          r = CudaTransport::device_report(device);
+        }
+        py::dict d;  // with the GIL
+        d["compute_mode"] = r.compute_mode;
+        d["host_register"] = r.host_register;
+        d["multiprocessors"] = r.multiprocessors;
+        d["cc"] = py::make_tuple(r.cc_major, r.cc_minor);
+        d["driver_version"] = r.driver_version;
+        d["runtime_version"] = r.runtime_version;
+        return d;
+      },
+      py::arg("device"),
+      "what the transport needs to know about a device before using it (no context needed "
+      "beyond the runtime's)");
 
   py::class_<CudaTransport>(m, "CudaTransport")
       .def(py::init([](const std::string& prefix, int32_t rank, int32_t world, int32_t hidden,
                        int32_t max_tokens, int32_t num_topk, int payload, int dtype, int32_t device,
-                       int32_t num_local_experts, bool need_host_region, int32_t host_numa_node) {
+                       int32_t num_local_experts, bool need_host_region, int32_t host_numa_node,
+                       int32_t max_recv_blocks, bool pdl) {
+             py::gil_scoped_release release;
              return new CudaTransport(
                  prefix, rank,
                  pa2a::make_wire_config(world, hidden, max_tokens, num_topk, payload, dtype),
-                 device, num_local_experts, need_host_region, host_numa_node);
+                 device, num_local_experts, need_host_region, host_numa_node, max_recv_blocks, pdl);
            }),
            py::arg("prefix"), py::arg("rank"), py::arg("world"), py::arg("hidden"),
            py::arg("max_tokens"), py::arg("num_topk"), py::arg("payload"), py::arg("dtype"),
            py::arg("device"), py::arg("num_local_experts"), py::arg("need_host_region"),
-           py::arg("host_numa_node") = -1)
+           py::arg("host_numa_node") = -1, py::arg("max_recv_blocks") = 0, py::arg("pdl") = true)
       .def_static("segment_name", &CudaTransport::segment_name)
       .def_static("unlink_name", &CudaTransport::unlink_name)
       .def("ipc_handle", [](const CudaTransport& t) { return py::bytes(t.ipc_handle()); })
@@ -62,18 +87,48 @@ PYBIND11_MODULE(_cuda_transport, m) {
           "open_peers",
           [](CudaTransport& t, const std::vector<py::bytes>& handles,
              const std::vector<int32_t>& send_transport, const std::vector<int32_t>& recv_transport,
-             const std::vector<int32_t>& order) {
+             const std::vector<int32_t>& order, uint64_t nonce) {
             std::vector<std::string> hs;
             for (const auto& h : handles) hs.emplace_back(h);
             py::gil_scoped_release release;
-            t.open_peers(hs, send_transport, recv_transport, order);
+            t.open_peers(hs, send_transport, recv_transport, order, nonce);
           },
           py::arg("handles"), py::arg("send_transport"), py::arg("recv_transport"),
-          py::arg("order"))
+          py::arg("order"), py::arg("nonce"))
+      .def(
+          "open_local",
+          [](CudaTransport& t, const std::vector<CudaTransport*>& peers,
+             const std::vector<int32_t>& send_transport, const std::vector<int32_t>& recv_transport,
+             const std::vector<int32_t>& order, uint64_t nonce) {
+            py::gil_scoped_release release;
+            t.open_local(peers, send_transport, recv_transport, order, nonce);
+          },
+          py::arg("peers"), py::arg("send_transport"), py::arg("recv_transport"), py::arg("order"),
+          py::arg("nonce"))
+      .def("probe_peers", &CudaTransport::probe_peers, py::arg("timeout_s"),
+           py::call_guard<py::gil_scoped_release>())
       .def("set_placement", &CudaTransport::set_placement, py::arg("offset"), py::arg("rank"),
            py::arg("local"), py::call_guard<py::gil_scoped_release>())
       .def("unlink_own", &CudaTransport::unlink_own)
       .def("close", &CudaTransport::close, py::call_guard<py::gil_scoped_release>())
+      .def("close_imports", &CudaTransport::close_imports, py::call_guard<py::gil_scoped_release>())
+      .def("free_own", &CudaTransport::free_own, py::arg("timeout_s"),
+           py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("own_leaked", &CudaTransport::own_leaked)
+      .def("stats",
+           [](CudaTransport& t) {
+             pa2a::cuda::TransportStats r;
+             {
+               py::gil_scoped_release release;
+               r = t.stats();
+             }
+             py::dict d;
+             d["calls"] = r.calls;
+             d["last_family"] = r.last_family;
+             d["last_rows"] = r.last_rows;
+             d["total_rows"] = py::make_tuple(r.total_rows[0], r.total_rows[1]);
+             return d;
+           })
       .def("check", &CudaTransport::check)
       .def("error_word", &CudaTransport::error_word)
       .def_property_readonly("segment_bytes", &CudaTransport::segment_bytes)
@@ -85,18 +140,22 @@ PYBIND11_MODULE(_cuda_transport, m) {
       .def_property_readonly("numa_warning", &CudaTransport::numa_warning)
       .def_property_readonly("device", &CudaTransport::device)
       .def_property_readonly("host_seq", &CudaTransport::host_seq)
+      .def_property_readonly("max_recv_blocks", &CudaTransport::max_recv_blocks)
+      .def_property_readonly("pdl", &CudaTransport::pdl)
+      .def_property_readonly("ce_flag_path", &CudaTransport::ce_flag_path)
       .def(
           "dispatch_send",
           [](CudaTransport& t, uintptr_t ticket, uint32_t op, uintptr_t x, int32_t num_tokens,
              uintptr_t topk_ids, uintptr_t topk_weights, int32_t topk, uintptr_t send_token,
-             uintptr_t send_count, uintptr_t stream) {
+             uintptr_t send_count, uintptr_t stream, bool ids64) {
             t.dispatch_send(ptr<CallTicket>(ticket), op, ptr<const void>(x), num_tokens,
-                            ptr<const int32_t>(topk_ids), ptr<const float>(topk_weights), topk,
+                            ptr<const void>(topk_ids), ids64, ptr<const float>(topk_weights), topk,
                             ptr<int32_t>(send_token), ptr<int32_t>(send_count), stream_of(stream));
           },
           py::arg("ticket"), py::arg("op"), py::arg("x"), py::arg("num_tokens"),
           py::arg("topk_ids"), py::arg("topk_weights"), py::arg("topk"), py::arg("send_token"),
-          py::arg("send_count"), py::arg("stream"), py::call_guard<py::gil_scoped_release>())
+          py::arg("send_count"), py::arg("stream"), py::arg("ids64") = false,
+          py::call_guard<py::gil_scoped_release>())
       .def(
           "abort",
           [](CudaTransport& t, uintptr_t ticket, uint32_t op, int family, uintptr_t stream) {
@@ -164,15 +223,15 @@ PYBIND11_MODULE(_cuda_transport, m) {
           "dispatch_send_ce",
           [](CudaTransport& t, uintptr_t ticket, uint32_t op, uintptr_t x, int32_t num_tokens,
              uintptr_t topk_ids, uintptr_t topk_weights, int32_t topk, uintptr_t send_token,
-             uintptr_t send_count, uint64_t min_bytes, uintptr_t stream) {
+             uintptr_t send_count, uint64_t min_bytes, uintptr_t stream, bool ids64) {
             t.dispatch_send_ce(ptr<CallTicket>(ticket), op, ptr<const void>(x), num_tokens,
-                               ptr<const int32_t>(topk_ids), ptr<const float>(topk_weights), topk,
-                               ptr<int32_t>(send_token), ptr<int32_t>(send_count), min_bytes,
+                               ptr<const void>(topk_ids), ids64, ptr<const float>(topk_weights),
+                               topk, ptr<int32_t>(send_token), ptr<int32_t>(send_count), min_bytes,
                                stream_of(stream));
           },
           py::arg("ticket"), py::arg("op"), py::arg("x"), py::arg("num_tokens"),
           py::arg("topk_ids"), py::arg("topk_weights"), py::arg("topk"), py::arg("send_token"),
-          py::arg("send_count"), py::arg("min_bytes"), py::arg("stream"),
+          py::arg("send_count"), py::arg("min_bytes"), py::arg("stream"), py::arg("ids64") = false,
           py::call_guard<py::gil_scoped_release>())
       .def(
           "combine_send_ce",

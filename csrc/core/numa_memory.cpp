@@ -1,8 +1,10 @@
 #include "core/numa_memory.h"
 
 #include <dirent.h>
+#include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -71,7 +73,47 @@ void touch_pages(void* p, size_t n, size_t page) {
   for (size_t off = 0; off < n; off += page) __atomic_fetch_or(bytes + off, 0, __ATOMIC_RELAXED);
 }
 
+// Where POSIX shared memory lives on Linux (shm_open's directory).
+constexpr const char* kShmDir = "/dev/shm";
+
+std::string mib(uint64_t bytes) {
+  return std::to_string((bytes + (1u << 20) - 1) >> 20) + " MiB";
+}
+
+[[noreturn]] void throw_shm_too_small(size_t bytes, const std::string& name, int segments,
+                                      int err) {
+  struct statvfs fs{};
+  const bool known = ::statvfs(kShmDir, &fs) == 0;
+  const uint64_t total = known ? static_cast<uint64_t>(fs.f_blocks) * fs.f_frsize : 0;
+  const uint64_t avail = known ? static_cast<uint64_t>(fs.f_bavail) * fs.f_frsize : 0;
+  const uint64_t all = static_cast<uint64_t>(bytes) * static_cast<uint64_t>(segments);
+  // What to ask for: every segment of the Buffer plus what is already used, in 64 MiB steps.
+  const uint64_t want = ((all + (total - avail)) + (64ull << 20) - 1) / (64ull << 20) * 64;
+  PA2A_THROW(kRuntime, kShmDir, " is too small: pcie_a2a needs ", bytes, " bytes (", mib(bytes),
+             ") for the shared-memory segment ", name, " (a Buffer of this size has up to ",
+             segments, " such segment", segments == 1 ? "" : "s", " on one host, ", mib(all), "); ",
+             kShmDir, " has ", known ? mib(avail) : std::string("an unknown amount"), " free of ",
+             known ? mib(total) : std::string("?"), " (", std::strerror(err),
+             "). In a container, start it with --shm-size=", want,
+             "m or more (or --ipc=host); on a host, enlarge the tmpfs (mount -o "
+             "remount,size=... /dev/shm); or make max_tokens_per_rank / hidden smaller");
+}
+
+NumaBindResult bind_reserve_touch(void* p, size_t n, int node, bool simulate_refusal, int fd,
+                                  const std::string& name, int segments);
+
 }  // namespace
+
+void reserve_shm_space(int fd, size_t bytes, const std::string& name, int segments) {
+  const int rc = ::posix_fallocate(fd, 0, static_cast<off_t>(bytes));
+  if (rc == 0) return;
+  if (rc == ENOSPC || rc == EFBIG) throw_shm_too_small(bytes, name, segments, rc);
+  // A filesystem without fallocate (EOPNOTSUPP, EINVAL): check the free space instead.
+  struct statvfs fs{};
+  if (::statvfs(kShmDir, &fs) == 0 &&
+      static_cast<uint64_t>(fs.f_bavail) * fs.f_frsize < static_cast<uint64_t>(bytes))
+    throw_shm_too_small(bytes, name, segments, ENOSPC);
+}
 
 size_t page_size() {
   const long s = sysconf(_SC_PAGESIZE);
@@ -115,6 +157,18 @@ int numa_node_of_address(const void* addr) {
 }
 
 NumaBindResult numa_bind_and_touch(void* p, size_t n, int node, bool simulate_refusal) {
+  return bind_reserve_touch(p, n, node, simulate_refusal, -1, "", 1);
+}
+
+NumaBindResult numa_bind_reserve_and_touch(void* p, size_t n, int node, int fd,
+                                           const std::string& name, int segments) {
+  return bind_reserve_touch(p, n, node, false, fd, name, segments);
+}
+
+namespace {
+
+NumaBindResult bind_reserve_touch(void* p, size_t n, int node, bool simulate_refusal, int fd,
+                                  const std::string& name, int segments) {
   const size_t page = page_size();
   PA2A_CHECK_ARG(p != nullptr && n > 0, "numa_bind_and_touch: empty range (p=", p, ", n=", n, ")");
   PA2A_CHECK_ARG(reinterpret_cast<uintptr_t>(p) % page == 0, "numa_bind_and_touch: address ", p,
@@ -140,6 +194,7 @@ NumaBindResult numa_bind_and_touch(void* p, size_t n, int node, bool simulate_re
                                  numa_node_of_current_cpu(), ")");
   }
 
+  if (fd >= 0) reserve_shm_space(fd, n, name, segments);  // after mbind: pages under the policy
   touch_pages(p, n, page);
 
   auto* base = static_cast<char*>(p);
@@ -168,6 +223,8 @@ NumaBindResult numa_bind_and_touch(void* p, size_t n, int node, bool simulate_re
                                samples, " sampled pages are on node ", wrong_node);
   return r;
 }
+
+}  // namespace
 
 NumaBuffer::NumaBuffer(size_t bytes, int node, bool simulate_refusal)
     : size_(bytes), requested_node_(node) {

@@ -30,6 +30,19 @@ struct NumaBindResult {
 // that does not exist. `simulate_refusal` behaves as if mbind returned EPERM (tests).
 NumaBindResult numa_bind_and_touch(void* p, size_t n, int node, bool simulate_refusal = false);
 
+// The same for a MAP_SHARED mapping of the POSIX shared-memory file `fd` (named `name`;
+// the host holds about `segments` such segments for one Buffer): between the bind and the
+// touch, the file's blocks are reserved with posix_fallocate. tmpfs (/dev/shm) allocates
+// pages lazily: ftruncate succeeds whatever the free space, and touching a page past it
+// kills the process with SIGBUS (Docker's default /dev/shm is 64 MiB). Reserved after
+// mbind, the pages are allocated under the bound policy; a /dev/shm too small is then an
+// Error(kRuntime) naming /dev/shm, the bytes needed and free, and the container flags.
+NumaBindResult numa_bind_reserve_and_touch(void* p, size_t n, int node, int fd,
+                                           const std::string& name, int segments);
+
+// Reserves `bytes` of the shared-memory file `fd` (see above); throws when they do not fit.
+void reserve_shm_space(int fd, size_t bytes, const std::string& name, int segments);
+
 // Number of NUMA nodes in /sys/devices/system/node (>= 1; 1 when sysfs has no node dir).
 int numa_num_nodes();
 

@@ -88,16 +88,26 @@ ShmTransport::ShmTransport(std::string prefix, int32_t rank, const WireConfig& c
   }
   void* p = ::mmap(nullptr, layout_.total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   const int err = errno;
-  ::close(fd);
   if (p == MAP_FAILED) {
+    ::close(fd);
     close();
     PA2A_THROW(kRuntime, "mmap of ", name, " (", layout_.total,
                " bytes) failed: ", errno_text(err));
   }
+  maps_[rank_] = p;
   // Receivers poll and read their own region: place it on this rank's NUMA node (the
   // staging rule of DESIGN.md section 4), first-touching it now rather than in the first call.
-  numa_ = numa_bind_and_touch(p, layout_.total, numa_node_of_current_cpu());
-  maps_[rank_] = p;
+  // The space in /dev/shm is reserved between the bind and the touch: a /dev/shm too small
+  // is an error naming it, not a SIGBUS at the touch (every rank of the host has a segment).
+  try {
+    numa_ = numa_bind_reserve_and_touch(p, layout_.total, numa_node_of_current_cpu(), fd, name,
+                                        c.world);
+  } catch (...) {
+    ::close(fd);
+    close();
+    throw;
+  }
+  ::close(fd);
   pids_[rank_] = static_cast<int32_t>(::getpid());
   SegmentHeader h{};
   h.magic = kSegmentMagic;

@@ -118,6 +118,9 @@ struct RowHeader {
   int32_t src_token;
   int32_t num_experts;  // valid entries of local_expert
   int32_t src_rank;
+  // The CUDA transport writes the call number here: for a staged pair {src_rank, seq} is
+  // stored last with release semantics, so the row is its own arrival mark (the receiver
+  // drains rows while the sender writes). The CPU transport writes 0; no other reader.
   int32_t reserved;
 };
 static_assert(sizeof(RowHeader) == 16, "row header is one 16-byte vector");

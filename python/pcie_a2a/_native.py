@@ -35,6 +35,12 @@ def _cuda_status() -> tuple[bool, str]:
     mod, why = _cuda_module()
     if mod is None:
         return False, why
+    if hasattr(mod, "driver_version"):  # the driver floor of this build's static runtime
+        from pcie_a2a.cuda_checks import driver_floor_problem
+
+        problem = driver_floor_problem(mod.driver_version(), mod.cuda_runtime_version)
+        if problem:
+            return False, problem
     count, err = mod.device_count()
     if err:
         return False, f"no usable CUDA driver or device: {err}"

@@ -81,10 +81,18 @@ class DispatchResult:
     topk_weights: torch.Tensor | None  # fp32, 0 padded
     recv_count: torch.Tensor  # [world] int32 rows from each source rank
     tokens_per_expert: torch.Tensor  # [E_local] int32
-    tokens_per_expert_list: list[int]
     handle: DispatchHandle
     src_info: torch.Tensor | None = None  # expert_major: [E_local, cap] int32 source token
     layout_range: torch.Tensor | None = None  # expert_major: [E_local, world] int64
+    _tokens_per_expert_list: list[int] | None = None
+
+    @property
+    def tokens_per_expert_list(self) -> list[int]:
+        """``tokens_per_expert`` on the host. Computed when first asked for: on the CUDA
+        backend that reads the device (a synchronisation), so the dispatch itself never does."""
+        if self._tokens_per_expert_list is None:
+            self._tokens_per_expert_list = self.tokens_per_expert.tolist()
+        return self._tokens_per_expert_list
 
 
 @dataclass
@@ -182,11 +190,7 @@ class Buffer:
                 f"{num_experts} experts on {self.world} ranks",
             )
         self.backend = self._choose_backend(backend)
-        self.device = (
-            torch.device("cuda", torch.cuda.current_device())
-            if self.backend == "cuda"
-            else torch.device("cpu")
-        )
+        self.device = _device_for(self.backend)
         self.num_experts = num_experts
         self.hidden = hidden
         self.max_tokens_per_rank = max_tokens_per_rank
@@ -203,7 +207,14 @@ class Buffer:
         self._combine_calls = 0
         self._failed: str | None = None
         self._stats = _Stats([0] * self.world, [0] * self.world)
+        # The CUDA transport's low-latency calls stay on the device end to end (no host
+        # synchronisation, so they can be captured in a CUDA graph): counts come from the
+        # receive kernel, ids are checked on the device, outputs are written whole, the
+        # expert-major pre-reduction is fused into the push, statistics are the device's.
+        self._device_side = False
         self._bootstrap()
+        m = self.max_tokens_per_rank
+        self._ll_row_base = torch.arange(self.world, dtype=torch.int64, device=self.device) * m
 
     # ---- construction ------------------------------------------------------------------
     @staticmethod
@@ -276,10 +287,13 @@ class Buffer:
             device=self.device.index,
             timeout_s=self.timeout_s,
         )
-        self._finalizer = weakref.finalize(self, transport.close)
+        # Garbage collection and interpreter exit cannot close collectively: abandon() frees
+        # what no peer can still write into and leaves the rest to the process exit.
+        self._finalizer = weakref.finalize(self, transport.abandon)
         if transport.numa_warning:
             warnings.warn(f"pcie_a2a rank {self.rank}: {transport.numa_warning}", stacklevel=4)
         self._transport = transport
+        self._device_side = bool(getattr(transport, "device_side", False))
 
     def _bootstrap_shm(self, native, prefix: str) -> None:
         names = [native.ShmTransport.segment_name(prefix, r) for r in range(self.world)]
@@ -323,12 +337,20 @@ class Buffer:
         """Releases the shared memory (and, on the CUDA backend, device memory and IPC
         mappings). Safe to call twice; later calls raise.
 
-        Not collective: call it on every rank once every rank's last call has completed
-        (e.g. after a barrier). On the CUDA backend a rank that closes while a slower peer
-        is still pushing into its device segment frees memory that peer writes into."""
+        Call it on every rank after the last call. On the CPU backend it returns at once.
+        On the CUDA backend it is collective: each rank closes its mappings of its peers and
+        then waits (at most ``timeout_s``) until every peer has done the same before it
+        frees the memory they wrote into; a peer that never closes leaves that memory
+        allocated until the process exits (freeing memory a peer still has mapped is
+        undefined behaviour). A Buffer dropped without close() (or alive at interpreter
+        exit) is released the same way without waiting."""
         if not self._closed:
             self._closed = True
-            self._finalizer()
+            if self.backend == "cuda":
+                self._finalizer.detach()
+                self._transport.close()
+            else:
+                self._finalizer()
             self._transport = None
 
     def __enter__(self) -> Buffer:
@@ -364,6 +386,8 @@ class Buffer:
         """
         s = self._stats
         me = self.rank
+        if self._device_side:  # counted by the send kernels (graph replays too); reads them now
+            s = _Stats(*self._transport.byte_stats())
         return {
             "calls": s.calls,
             "last_bytes_per_rank": list(s.last),
@@ -375,6 +399,8 @@ class Buffer:
         }
 
     def _record(self) -> None:
+        if self._device_side:  # the device keeps the statistics (see stats)
+            return
         last = list(self._transport.last_bytes())
         self._stats.last = last
         self._stats.total = [a + b for a, b in zip(self._stats.total, last)]
@@ -449,7 +475,11 @@ class Buffer:
             )
         return x
 
-    def _check_topk_ids(self, topk_ids: Any, num_tokens: int | None) -> torch.Tensor:
+    def _check_topk_ids(
+        self, topk_ids: Any, num_tokens: int | None, on_device: bool = False
+    ) -> torch.Tensor:
+        """on_device: the values are the kernels' to check (no host synchronisation); int64
+        ids go to them as they are."""
         ids = self._check_tensor(topk_ids, "topk_ids")
         if ids.dtype not in (torch.int32, torch.int64):
             raise _fail(TypeError, "topk_ids.dtype", ids.dtype, "torch.int64 or torch.int32")
@@ -467,6 +497,8 @@ class Buffer:
                 ids.shape[1],
                 f"at most num_topk={self.num_topk} (a Buffer argument)",
             )
+        if on_device:
+            return ids
         if ids.numel():
             lo, hi = int(ids.min()), int(ids.max())
             if lo < -1 or hi >= self.num_experts:
@@ -516,9 +548,16 @@ class Buffer:
         self._seq += 1
         if op in (_OP_DISPATCH, _OP_LL_DISPATCH):
             self._dispatch_calls += 1
-            return self._seq, self._dispatch_calls & 1
-        self._combine_calls += 1
-        return self._seq, self._combine_calls & 1
+            parity = self._dispatch_calls & 1
+        else:
+            self._combine_calls += 1
+            parity = self._combine_calls & 1
+        if self._device_side:
+            # A problem an earlier call's kernels recorded (host-mapped word: no sync). Bad
+            # ids of this rank raise ValueError and abort this call on the wire, as the host
+            # check's ValueError does; a peer's failure marks the Buffer failed.
+            self._guard(self._seq, op, self._protocol, self._transport.check)
+        return self._seq, parity
 
     def _guard(self, seq: int, op: int, fn, *args):
         """Runs a validation step; on bad input tells the peers before raising."""
@@ -573,7 +612,8 @@ class Buffer:
 
     def _send_half(self, seq: int, op: int, parity: int, x, topk_ids, topk_weights):
         x = self._guard(seq, op, self._check_x, x)
-        ids = self._guard(seq, op, self._check_topk_ids, topk_ids, x.shape[0])
+        on_device = self._device_side and op == _OP_LL_DISPATCH
+        ids = self._guard(seq, op, self._check_topk_ids, topk_ids, x.shape[0], on_device)
         w = self._guard(seq, op, self._check_weights, topk_weights, ids).contiguous()
         m = self.max_tokens_per_rank
         send_token = torch.empty(self.world * m, dtype=torch.int32, device=self.device)
@@ -644,9 +684,9 @@ class Buffer:
         xo, scales, x_dst, q_dst, s_dst = self._payload_outputs(shape, return_fp8)
         src_rank = torch.empty(*shape, dtype=torch.int32, device=self.device)
         src_token = torch.empty(*shape, dtype=torch.int32, device=self.device)
-        ids = torch.full((*shape, k), -1, dtype=torch.int32, device=self.device)
-        ws = torch.zeros(*shape, k, dtype=torch.float32, device=self.device)
-        per_expert = torch.zeros(self.num_local_experts, dtype=torch.int32, device=self.device)
+        ids = self._filled((*shape, k), torch.int32, -1)
+        ws = self._filled((*shape, k), torch.float32, 0)
+        per_expert = self._filled((self.num_local_experts,), torch.int32, 0)
         self._transport.unpack_rows(
             parity,
             counts,
@@ -677,9 +717,15 @@ class Buffer:
             topk_weights=ws,
             recv_count=counts,
             tokens_per_expert=per_expert,
-            tokens_per_expert_list=per_expert.tolist(),
             handle=handle,
         )
+
+    def _filled(self, shape: tuple[int, ...], dtype: torch.dtype, value: int) -> torch.Tensor:
+        """An output the CPU transport fills only where it has rows; the CUDA kernels write
+        every element (a fill would be one more kernel launch per call)."""
+        if self._device_side:
+            return torch.empty(*shape, dtype=dtype, device=self.device)
+        return torch.full(shape, value, dtype=dtype, device=self.device)
 
     def low_latency_dispatch(
         self,
@@ -702,20 +748,30 @@ class Buffer:
         half runs now and a hook is returned: calling it (once) receives and returns the
         result, so the caller can compute in between. No other call of this Buffer may
         start before the hook is called.
+
+        On the CUDA backend this (and :meth:`low_latency_combine`) never synchronises with
+        the host, so both can be captured in a CUDA graph and replayed with new inputs:
+        ``recv_count`` stays on the device (``tokens_per_expert_list`` reads it when asked
+        for), the GPU checks ``topk_ids`` (an id outside [-1, E) or repeated in a token is
+        skipped and raised as ValueError by the next call or :meth:`check`), and a peer's
+        failure is raised the same way. int64 ids are read as they are.
         """
         seq, parity = self._begin(_OP_LL_DISPATCH)
         self._guard(seq, _OP_LL_DISPATCH, self._check_options, layout, return_fp8)
         sent = self._send_half(seq, _OP_LL_DISPATCH, parity, x, topk_ids, topk_weights)
 
         def receive() -> DispatchResult:
-            counts, _ = self._receive_counts(seq, _OP_LL_DISPATCH)
+            if self._device_side:  # the receive kernel writes them
+                counts = self._transport.ll_counts()
+            else:
+                counts, _ = self._receive_counts(seq, _OP_LL_DISPATCH)
             return self._ll_unpack(parity, layout, return_fp8, *sent, counts)
 
         return self._with_hook(receive, return_recv_hook, "low_latency_dispatch", seq)
 
     def _ll_unpack(self, parity, layout, return_fp8, num_tokens, send_token, send_count, counts):
         w, m = self.world, self.max_tokens_per_rank
-        row_base = torch.arange(w, dtype=torch.int64, device=self.device) * m
+        row_base = self._ll_row_base
         handle = DispatchHandle(
             self._id, "low_latency", layout, num_tokens, send_token, send_count, counts, row_base
         )
@@ -724,12 +780,12 @@ class Buffer:
             return self._finish_rows(unpacked, counts, handle, return_fp8)
         e_local, cap, k = self.num_local_experts, w * m, self.num_topk
         xo, scales, x_dst, q_dst, s_dst = self._payload_outputs((e_local, cap), return_fp8)
-        per_expert = torch.zeros(e_local, dtype=torch.int32, device=self.device)
-        src_info = torch.full((e_local, cap), -1, dtype=torch.int32, device=self.device)
-        layout_range = torch.zeros(e_local, w, dtype=torch.int64, device=self.device)
+        per_expert = self._filled((e_local,), torch.int32, 0)
+        src_info = self._filled((e_local, cap), torch.int32, -1)
+        layout_range = self._filled((e_local, w), torch.int64, 0)
         handle.expert_pos = torch.empty(cap, k, dtype=torch.int32, device=self.device)
-        handle.row_experts = torch.full((cap, k), -1, dtype=torch.int32, device=self.device)
-        handle.row_weights = torch.zeros(cap, k, dtype=torch.float32, device=self.device)
+        handle.row_experts = self._filled((cap, k), torch.int32, -1)
+        handle.row_weights = self._filled((cap, k), torch.float32, 0)
         self._transport.unpack_expert_major(
             parity,
             counts,
@@ -756,7 +812,6 @@ class Buffer:
             topk_weights=handle.row_weights.view(w, m, k),
             recv_count=counts,
             tokens_per_expert=per_expert,
-            tokens_per_expert_list=per_expert.tolist(),
             handle=handle,
             src_info=src_info,
             layout_range=layout_range,
@@ -807,7 +862,9 @@ class Buffer:
             # the copy-engine path sizes its copies on the host: spare it a device read
             args += [handle.recv_count_host, handle.row_base_host]
         self._transport.combine_send(*args)
+        return self._combine_receive(seq, op, parity, handle, hook)
 
+    def _combine_receive(self, seq, op, parity, handle: DispatchHandle, hook: bool):
         def receive() -> torch.Tensor:
             out = torch.empty(handle.num_tokens, self.hidden, dtype=self.dtype, device=self.device)
             self._protocol(
@@ -858,6 +915,18 @@ class Buffer:
             y = self._guard(seq, op, self._check_y, y, (w, m, self.hidden))
             return self._combine(seq, op, parity, y, handle, return_recv_hook)
         y = self._guard(seq, op, self._check_y, y, (self.num_local_experts, w * m, self.hidden))
+        if self._device_side:  # the weighted pre-reduction fused into the push: one kernel
+            self._transport.combine_send_expert_major(
+                seq & 0xFFFFFFFF,
+                op,
+                parity,
+                y,
+                handle.recv_count,
+                handle.expert_pos,
+                handle.row_experts,
+                handle.row_weights,
+            )
+            return self._combine_receive(seq, op, parity, handle, return_recv_hook)
         rows = torch.empty(w * m, self.hidden, dtype=self.dtype, device=self.device)
         self._transport.reduce_expert_major(
             y,
@@ -869,6 +938,15 @@ class Buffer:
             rows,
         )
         return self._combine(seq, op, parity, rows, handle, return_recv_hook)
+
+
+def _device_for(backend: str) -> torch.device:
+    """Where a Buffer of this backend keeps its tensors."""
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if backend == "cuda"
+        else torch.device("cpu")
+    )
 
 
 def _release(transport, names: list[str]) -> None:

@@ -201,6 +201,25 @@ def copy_engine_min_bytes() -> int | None:
     return parsed
 
 
+def recv_blocks() -> int | None:
+    """PCIE_A2A_RECV_BLOCKS: cap of every receive grid of the CUDA transport (blocks), so two
+    Buffers on two streams cannot starve each other's send kernels. Default: one per SM."""
+    return None if _get("PCIE_A2A_RECV_BLOCKS") is None else get_int("PCIE_A2A_RECV_BLOCKS", 0)
+
+
+def pdl() -> bool:
+    """PCIE_A2A_PDL: programmatic dependent launch of the CUDA transport's kernels on sm_90
+    and newer (default on; 0 launches them plainly)."""
+    value = get_bool("PCIE_A2A_PDL")
+    return True if value is None else value
+
+
+def mps_pipe_directory() -> str:
+    """CUDA_MPS_PIPE_DIRECTORY (CUDA's own variable): where a running MPS control daemon
+    keeps its pipes; default /tmp/nvidia-mps."""
+    return _get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps"
+
+
 # ---- framework integrations (pcie_a2a.integrations) ---------------------------------------
 def get_int(name: str, default: int, minimum: int = 1) -> int:
     value = _get(name)

@@ -6,7 +6,10 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
+#include <cstddef>
 #include <cstring>
+#include <thread>
 
 #include "core/dispatch_layout.h"
 #include "core/exception.h"
@@ -70,9 +73,29 @@ const char* error_name(DeviceError e) {
       return "bad row count";
     case DeviceError::kCountMismatch:
       return "row count mismatch";
+    case DeviceError::kBadInput:
+      return "bad topk_ids";
     default:
       return "unknown";
   }
+}
+
+int attribute(cudaDeviceAttr a, int device) {
+  int v = 0;
+  PA2A_CUDA_CHECK(cudaDeviceGetAttribute(&v, a, device));
+  return v;
+}
+
+bool capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  return cudaStreamIsCapturing(stream, &status) == cudaSuccess &&
+         status != cudaStreamCaptureStatusNone;
+}
+
+// The close mark a rank writes into its peers' headers (any value the bootstrap's ranks
+// agree on and a fresh segment does not hold).
+uint64_t close_mark(uint64_t nonce) {
+  return (nonce ^ 0xc105ec105ec105ecull) | 1u;
 }
 
 }  // namespace
@@ -85,9 +108,21 @@ bool CudaTransport::unlink_name(const std::string& name) {
   return ::shm_unlink(name.c_str()) == 0;
 }
 
+DeviceReport CudaTransport::device_report(int32_t device) {
+  DeviceReport r;
+  r.runtime_version = CUDART_VERSION;
+  (void)cudaDriverGetVersion(&r.driver_version);
+  r.compute_mode = attribute(cudaDevAttrComputeMode, device);
+  r.host_register = attribute(cudaDevAttrHostRegisterSupported, device);
+  r.multiprocessors = attribute(cudaDevAttrMultiProcessorCount, device);
+  r.cc_major = attribute(cudaDevAttrComputeCapabilityMajor, device);
+  r.cc_minor = attribute(cudaDevAttrComputeCapabilityMinor, device);
+  return r;
+}
+
 CudaTransport::CudaTransport(std::string prefix, int32_t rank, const WireConfig& config,
                              int32_t device, int32_t num_local_experts, bool need_host_region,
-                             int32_t host_numa_node)
+                             int32_t host_numa_node, int32_t max_recv_blocks, bool pdl)
     : prefix_(std::move(prefix)),
       rank_(rank),
       config_(config),
@@ -102,7 +137,7 @@ CudaTransport::CudaTransport(std::string prefix, int32_t rank, const WireConfig&
                  "hidden must be a positive multiple of 8 (16-byte rows), got ", c.hidden);
   PA2A_CHECK_ARG(c.payload != Payload::kFP8 || c.hidden % kFp8GroupSize == 0,
                  "fp8 payload needs hidden to be a multiple of 128, got ", c.hidden);
-  // Receive grids have ceil(max_tokens / 16) blocks in y (at most 65535).
+  // Send grids have ceil(max_tokens / 16) blocks in y (at most 65535).
   PA2A_CHECK_ARG(c.max_tokens >= 1 && c.max_tokens <= 65535 * 16,
                  "max_tokens_per_rank must be in [1, ", 65535 * 16,
                  "] for the CUDA transport, got ", c.max_tokens);
@@ -113,6 +148,8 @@ CudaTransport::CudaTransport(std::string prefix, int32_t rank, const WireConfig&
                  "dtype must be bf16 or fp16 with payload of the same dtype or fp8");
   PA2A_CHECK_ARG(num_local_experts >= 0 && num_local_experts <= 4096,
                  "num_local_experts must be in [0, 4096], got ", num_local_experts);
+  PA2A_CHECK_ARG(max_recv_blocks >= 0, "max_recv_blocks must be >= 0 (0: one per SM), got ",
+                 max_recv_blocks);
   layout_ = segment_layout(c);
   slot_ = dispatch_slot_layout(c);
   ipc_opened_.assign(c.world, nullptr);
@@ -120,6 +157,15 @@ CudaTransport::CudaTransport(std::string prefix, int32_t rank, const WireConfig&
 
   DeviceGuard guard(device_);
   try {
+    const DeviceReport dev = device_report(device_);
+    max_recv_blocks_ = max_recv_blocks > 0 ? max_recv_blocks : dev.multiprocessors;
+    if (max_recv_blocks_ < 1) max_recv_blocks_ = 1;
+    pdl_ = pdl && dev.cc_major >= 9;
+    // Every kernel now: lazy loading in the middle of a call, next to peers' kernels that
+    // spin on this GPU, can stall until their deadlines.
+    load_transport_kernels();
+    PA2A_CUDA_CHECK(cudaStreamCreateWithFlags(&aux_, cudaStreamNonBlocking));
+    PA2A_CUDA_CHECK(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming));
     PA2A_CUDA_CHECK(cudaMalloc(&dev_seg_, layout_.total));
     PA2A_CUDA_CHECK(cudaMemset(dev_seg_, 0, layout_.total));
     SegmentHeader h{};
@@ -136,14 +182,17 @@ CudaTransport::CudaTransport(std::string prefix, int32_t rank, const WireConfig&
         cudaHostAlloc(&err_host_, sizeof(uint64_t), cudaHostAllocMapped | cudaHostAllocPortable));
     *err_host_ = 0;
     PA2A_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&err_dev_), err_host_, 0));
-    if (c.payload == Payload::kFP8) {
-      const size_t qbytes = static_cast<size_t>(c.max_tokens) * (slot_.bytes - slot_.payload_off);
-      PA2A_CUDA_CHECK(cudaMalloc(&qbuf_, qbytes));
-      PA2A_CUDA_CHECK(cudaMemset(qbuf_, 0, qbytes));  // scale padding is copied, never set
-    }
-    const size_t cnt = static_cast<size_t>(num_local_experts > 0 ? num_local_experts : 1) * c.world;
-    PA2A_CUDA_CHECK(cudaMalloc(&cnt_ws_, cnt * sizeof(int32_t)));
+    const size_t e = static_cast<size_t>(num_local_experts > 0 ? num_local_experts : 1);
+    PA2A_CUDA_CHECK(cudaMalloc(&cnt_ws_, e * c.world * sizeof(int32_t)));
+    PA2A_CUDA_CHECK(cudaMalloc(&ecount_ws_, e * sizeof(int32_t)));
+    PA2A_CUDA_CHECK(cudaMemset(ecount_ws_, 0, e * sizeof(int32_t)));
+    PA2A_CUDA_CHECK(cudaMalloc(&probe_status_, sizeof(int32_t) * c.world));
     if (need_host_region) {
+      if (!dev.host_register)
+        PA2A_THROW(kRuntime, "rank ", rank_, ": GPU ", device_,
+                   " cannot register host memory (cudaDevAttrHostRegisterSupported = 0), which "
+                   "the host-staged pairs of this plan need; use a plan with P2P for those "
+                   "pairs or a GPU/driver that supports cudaHostRegister");
       host_seg_ = map_host_segment(rank_, true);
       host_maps_[rank_] = nullptr;  // own segment is host_seg_
     }
@@ -164,6 +213,11 @@ CudaTransport::~CudaTransport() {
 // Returns the host mapping; the device pointer is stored by the caller.
 void* CudaTransport::map_host_segment(int32_t r, bool create) {
   const std::string name = segment_name(prefix_, r);
+  if (!create && attribute(cudaDevAttrHostRegisterSupported, device_) == 0)
+    PA2A_THROW(kRuntime, "rank ", rank_, ": GPU ", device_,
+               " cannot register host memory (cudaDevAttrHostRegisterSupported = 0), which "
+               "sending to rank ",
+               r, " through host staging needs");
   const int fd = create ? ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600)
                         : ::shm_open(name.c_str(), O_RDWR, 0);
   if (fd < 0)
@@ -187,23 +241,35 @@ void* CudaTransport::map_host_segment(int32_t r, bool create) {
   }
   void* p = ::mmap(nullptr, layout_.total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   const int err = errno;
-  ::close(fd);
-  if (p == MAP_FAILED)
+  if (p == MAP_FAILED) {
+    ::close(fd);
     PA2A_THROW(kRuntime, "mmap of ", name, " (", layout_.total,
                " bytes) failed: ", std::strerror(err));
+  }
   if (create) {
     // The receiver's node: the far leg of a staged transfer is then the sender's posted
-    // write, and the receiving GPU's reads (flags, rows) stay on its own socket.
-    const NumaBindResult nb = numa_bind_and_touch(p, layout_.total, host_numa_node_);
-    numa_warning_ = nb.warning;
+    // write, and the receiving GPU's reads (flags, rows) stay on its own socket. The space
+    // in /dev/shm is reserved after the bind, before the touch: a /dev/shm too small is an
+    // error naming it (and --shm-size), never a SIGBUS at the touch.
+    try {
+      const NumaBindResult nb =
+          numa_bind_reserve_and_touch(p, layout_.total, host_numa_node_, fd, name, config_.world);
+      numa_warning_ = nb.warning;
+    } catch (...) {
+      ::close(fd);
+      ::munmap(p, layout_.total);
+      throw;
+    }
   }
+  ::close(fd);
   const cudaError_t reg =
       cudaHostRegister(p, layout_.total, cudaHostRegisterMapped | cudaHostRegisterPortable);
   if (reg != cudaSuccess) {
     (void)cudaGetLastError();
     ::munmap(p, layout_.total);
     PA2A_THROW(kRuntime, "cudaHostRegister of ", name, " (", layout_.total,
-               " bytes) failed: ", cudaGetErrorName(reg), ": ", cudaGetErrorString(reg));
+               " bytes) failed: ", cudaGetErrorName(reg), ": ", cudaGetErrorString(reg),
+               " (ulimit -l too low for pinned memory?)");
   }
   if (create) {
     void* d = nullptr;
@@ -225,18 +291,18 @@ std::string CudaTransport::ipc_handle() const {
   DeviceGuard guard(device_);
   cudaIpcMemHandle_t h;
   PA2A_CUDA_CHECK(cudaIpcGetMemHandle(&h, dev_seg_));
+  exported_ = true;  // a peer may map the segment from now on (see free_own)
   return std::string(reinterpret_cast<const char*>(&h), sizeof(h));
 }
 
-void CudaTransport::open_peers(const std::vector<std::string>& handles,
-                               const std::vector<int32_t>& send_transport,
-                               const std::vector<int32_t>& recv_transport,
-                               const std::vector<int32_t>& order) {
+// Checks the plan and the order; fills what open_peers and open_local share.
+void CudaTransport::set_table(const std::vector<int32_t>& send_transport,
+                              const std::vector<int32_t>& recv_transport,
+                              const std::vector<int32_t>& order, uint64_t nonce) {
   require_open("open_peers");
   const int32_t W = config_.world;
   PA2A_CHECK_ARG(!opened_, "open_peers was already called");
-  PA2A_CHECK_ARG(static_cast<int32_t>(handles.size()) == W &&
-                     static_cast<int32_t>(send_transport.size()) == W &&
+  PA2A_CHECK_ARG(static_cast<int32_t>(send_transport.size()) == W &&
                      static_cast<int32_t>(recv_transport.size()) == W &&
                      static_cast<int32_t>(order.size()) == W,
                  "open_peers: every list must have world = ", W, " entries");
@@ -247,7 +313,7 @@ void CudaTransport::open_peers(const std::vector<std::string>& handles,
     seen[order[i]] = true;
     table_.order[i] = order[i];
   }
-  DeviceGuard guard(device_);
+  table_.staged_send = table_.staged_recv = 0;
   for (int32_t r = 0; r < W; ++r) {
     const auto st = static_cast<PairTransport>(send_transport[r]);
     const auto rt = static_cast<PairTransport>(recv_transport[r]);
@@ -255,19 +321,34 @@ void CudaTransport::open_peers(const std::vector<std::string>& handles,
                    "] must be 0 (p2p) or 1 (staged)");
     PA2A_CHECK_ARG(rt == PairTransport::kP2P || rt == PairTransport::kStaged, "recv_transport[", r,
                    "] must be 0 (p2p) or 1 (staged)");
-    if (r == rank_) {  // our own rows never leave the device
-      table_.send_base[r] = dev_seg_;
-      table_.recv_base[r] = dev_seg_;
-      continue;
-    }
+    if (r == rank_) continue;  // our own rows never leave the device
+    if (st == PairTransport::kStaged) table_.staged_send |= 1ull << r;
     if (rt == PairTransport::kStaged) {
       PA2A_CHECK_ARG(host_seg_dev_ != nullptr, "rank ", r, " sends to rank ", rank_,
                      " through host memory but this rank was built without a host region");
-      table_.recv_base[r] = host_seg_dev_;
-    } else {
-      table_.recv_base[r] = dev_seg_;
+      table_.staged_recv |= 1ull << r;
     }
-    if (st == PairTransport::kP2P) {
+  }
+  for (int32_t r = 0; r < W; ++r) {
+    const bool staged_in = (table_.staged_recv >> r) & 1ull;
+    table_.recv_base[r] = r != rank_ && staged_in ? host_seg_dev_ : dev_seg_;
+    if (r == rank_) table_.send_base[r] = dev_seg_;
+  }
+  nonce_ = nonce;
+}
+
+void CudaTransport::open_peers(const std::vector<std::string>& handles,
+                               const std::vector<int32_t>& send_transport,
+                               const std::vector<int32_t>& recv_transport,
+                               const std::vector<int32_t>& order, uint64_t nonce) {
+  set_table(send_transport, recv_transport, order, nonce);
+  const int32_t W = config_.world;
+  PA2A_CHECK_ARG(static_cast<int32_t>(handles.size()) == W,
+                 "open_peers: every list must have world = ", W, " entries");
+  DeviceGuard guard(device_);
+  for (int32_t r = 0; r < W; ++r) {
+    if (r == rank_) continue;
+    if (!((table_.staged_send >> r) & 1ull)) {
       PA2A_CHECK_ARG(handles[r].size() == sizeof(cudaIpcMemHandle_t), "rank ", r,
                      "'s IPC handle has ", handles[r].size(), " bytes, expected ",
                      sizeof(cudaIpcMemHandle_t));
@@ -295,6 +376,50 @@ void CudaTransport::open_peers(const std::vector<std::string>& handles,
   opened_ = true;
 }
 
+void CudaTransport::open_local(const std::vector<CudaTransport*>& peers,
+                               const std::vector<int32_t>& send_transport,
+                               const std::vector<int32_t>& recv_transport,
+                               const std::vector<int32_t>& order, uint64_t nonce) {
+  set_table(send_transport, recv_transport, order, nonce);
+  const int32_t W = config_.world;
+  PA2A_CHECK_ARG(static_cast<int32_t>(peers.size()) == W, "open_local: peers must have world = ", W,
+                 " entries");
+  for (int32_t r = 0; r < W; ++r) {
+    const CudaTransport* p = peers[r];
+    PA2A_CHECK_ARG(
+        p != nullptr && p->rank_ == r && p->device_ == device_ && p->layout_.total == layout_.total,
+        "open_local: peers[", r, "] must be rank ", r,
+        "'s transport on the same device with the same configuration");
+    if (r == rank_) continue;
+    peers[r]->exported_ = true;  // this rank writes into it from now on
+    if ((table_.staged_send >> r) & 1ull) {
+      PA2A_CHECK_ARG(p->host_seg_dev_ != nullptr, "open_local: rank ", r,
+                     " has no host region but rank ", rank_, " sends to it staged");
+      table_.send_base[r] = p->host_seg_dev_;
+    } else {
+      table_.send_base[r] = p->dev_seg_;
+    }
+  }
+  DeviceGuard guard(device_);
+  PA2A_CUDA_CHECK(cudaMemcpy(table_dev_, &table_, sizeof(table_), cudaMemcpyHostToDevice));
+  opened_ = true;
+}
+
+std::vector<int32_t> CudaTransport::probe_peers(double timeout_s) {
+  require_open("probe_peers");
+  PA2A_CHECK_ARG(opened_, "probe_peers before open_peers");
+  DeviceGuard guard(device_);
+  const KernelContext k = context();
+  launch_probe_send(k, nonce_, aux_);
+  launch_probe_recv(k, nonce_, timeout_ns(timeout_s), probe_status_, aux_);
+  check_launch("probe");
+  std::vector<int32_t> status(config_.world, 0);
+  PA2A_CUDA_CHECK(cudaMemcpyAsync(status.data(), probe_status_, sizeof(int32_t) * config_.world,
+                                  cudaMemcpyDeviceToHost, aux_));
+  PA2A_CUDA_CHECK(cudaStreamSynchronize(aux_));
+  return status;
+}
+
 void CudaTransport::set_placement(const std::vector<int32_t>& offset,
                                   const std::vector<int32_t>& rank,
                                   const std::vector<int32_t>& local) {
@@ -304,7 +429,7 @@ void CudaTransport::set_placement(const std::vector<int32_t>& offset,
                   config_.world);
   DeviceGuard guard(device_);
   if (placement_dev_ != nullptr) {
-    PA2A_CUDA_CHECK(cudaDeviceSynchronize());  // a running kernel may read the old map
+    wait_own_work();  // a running kernel may read the old map
     PA2A_CUDA_CHECK(cudaFree(placement_dev_));
     placement_dev_ = nullptr;
   }
@@ -327,16 +452,37 @@ void CudaTransport::unlink_own() {
   }
 }
 
-void CudaTransport::close() {
-  if (closed_) return;
-  closed_ = true;
+// ---- close ---------------------------------------------------------------------------------
+void CudaTransport::mark_done(cudaStream_t stream) {
+  if (capturing(stream)) return;  // a captured call's work is its graph's (see close_imports)
+  if (cudaEventRecord(done_, stream) == cudaSuccess) done_recorded_ = true;
+  (void)cudaGetLastError();
+}
+
+// This transport's own work: the last call (all of a Buffer's calls are in one stream
+// order, so its event covers the earlier ones), the copy-engine streams and the aux stream.
+// Not cudaDeviceSynchronize: that also waits for unrelated streams (NCCL's, another
+// Buffer's), and for kernels of other processes' peers that never finish without us.
+void CudaTransport::wait_own_work() {
+  if (done_recorded_) (void)cudaEventSynchronize(done_);
+  for (cudaStream_t s : ce_streams_)
+    if (s != nullptr) (void)cudaStreamSynchronize(s);
+  if (aux_ != nullptr) (void)cudaStreamSynchronize(aux_);
+  (void)cudaGetLastError();
+}
+
+void CudaTransport::close_imports() {
+  if (imports_closed_) return;
+  imports_closed_ = true;
   unlink_own();
   int prev = -1;
   (void)cudaGetDevice(&prev);
   (void)cudaSetDevice(device_);
-  // Kernels never wait without a deadline, so this returns; it keeps memory alive until
-  // our own in-flight work is done. Errors are swallowed: close must release what it can.
-  (void)cudaDeviceSynchronize();
+  wait_own_work();
+  if (opened_ && config_.world > 1) {  // after our last write: tell every peer we are done
+    launch_close_mark(context(), close_mark(nonce_), aux_);
+    (void)cudaStreamSynchronize(aux_);
+  }
   for (auto& p : ipc_opened_) {
     if (p != nullptr) (void)cudaIpcCloseMemHandle(p);
     p = nullptr;
@@ -348,18 +494,57 @@ void CudaTransport::close() {
     }
     p = nullptr;
   }
-  if (host_seg_ != nullptr) {
+  (void)cudaGetLastError();
+  if (prev >= 0 && prev != device_) (void)cudaSetDevice(prev);
+}
+
+// Whether every peer that writes into this rank's memory has written its close mark.
+bool CudaTransport::close_marks_arrived(std::vector<int32_t>* missing) {
+  const int32_t W = config_.world;
+  missing->clear();
+  if (W == 1 || dev_seg_ == nullptr || !exported_) return true;  // no peer can write here
+  if (!opened_) {  // unknown who mapped us: assume every peer did
+    for (int32_t s = 0; s < W; ++s)
+      if (s != rank_) missing->push_back(s);
+    return false;
+  }
+  std::vector<uint64_t> dev_lines(W, 0);
+  // On this transport's own non-blocking stream: a plain cudaMemcpy would also wait for the
+  // legacy default stream and every blocking stream (other work of this process).
+  if (cudaMemcpyAsync(dev_lines.data(), dev_seg_ + kCloseLineOff, W * kCloseLineBytes,
+                      cudaMemcpyDeviceToHost, aux_) != cudaSuccess ||
+      cudaStreamSynchronize(aux_) != cudaSuccess) {
+    (void)cudaGetLastError();
+    for (int32_t s = 0; s < W; ++s)
+      if (s != rank_) missing->push_back(s);
+    return false;
+  }
+  const uint64_t mark = close_mark(nonce_);
+  for (int32_t s = 0; s < W; ++s) {
+    if (s == rank_) continue;
+    uint64_t v = dev_lines[s];
+    if ((table_.staged_recv >> s) & 1ull)
+      v = __atomic_load_n(reinterpret_cast<const uint64_t*>(static_cast<uint8_t*>(host_seg_) +
+                                                            kCloseLineOff + s * kCloseLineBytes),
+                          __ATOMIC_ACQUIRE);
+    if (v != mark) missing->push_back(s);
+  }
+  return missing->empty();
+}
+
+void CudaTransport::free_everything_but_segment() {
+  if (host_seg_ != nullptr) {  // peers' mappings keep the pages: unmapping ours is safe
     (void)cudaHostUnregister(host_seg_);
     ::munmap(host_seg_, layout_.total);
     host_seg_ = nullptr;
     host_seg_dev_ = nullptr;
   }
-  (void)cudaFree(dev_seg_);
   (void)cudaFree(state_);
   (void)cudaFree(table_dev_);
   (void)cudaFree(placement_dev_);
-  (void)cudaFree(qbuf_);
   (void)cudaFree(cnt_ws_);
+  (void)cudaFree(ecount_ws_);
+  (void)cudaFree(probe_status_);
   (void)cudaFree(pack_);
   (void)cudaFree(ce_counts_dev_);
   if (ce_host_ != nullptr) (void)cudaFreeHost(ce_host_);
@@ -368,6 +553,8 @@ void CudaTransport::close() {
   for (auto& st : ce_streams_)
     if (st != nullptr) (void)cudaStreamDestroy(st);
   if (ce_fork_ != nullptr) (void)cudaEventDestroy(ce_fork_);
+  if (done_ != nullptr) (void)cudaEventDestroy(done_);
+  if (aux_ != nullptr) (void)cudaStreamDestroy(aux_);
   ce_join_.clear();
   ce_streams_.clear();
   pack_ = nullptr;
@@ -375,20 +562,52 @@ void CudaTransport::close() {
   ce_host_ = nullptr;
   ce_fork_ = nullptr;
   ce_ready_ = false;
+  done_ = nullptr;
+  aux_ = nullptr;
   if (err_host_ != nullptr) (void)cudaFreeHost(err_host_);
-  dev_seg_ = nullptr;
   state_ = nullptr;
   table_dev_ = nullptr;
   placement_dev_ = nullptr;
-  qbuf_ = nullptr;
   cnt_ws_ = nullptr;
+  ecount_ws_ = nullptr;
+  probe_status_ = nullptr;
   err_host_ = err_dev_ = nullptr;
+}
+
+bool CudaTransport::free_own(double timeout_s) {
+  if (closed_) return !own_leaked_;
+  close_imports();
+  closed_ = true;
+  int prev = -1;
+  (void)cudaGetDevice(&prev);
+  (void)cudaSetDevice(device_);
+  std::vector<int32_t> missing;
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::chrono::duration<double>(timeout_s > 0 ? timeout_s : 0);
+  bool all = close_marks_arrived(&missing);
+  while (!all && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    all = close_marks_arrived(&missing);
+  }
+  free_everything_but_segment();
+  if (all) {
+    (void)cudaFree(dev_seg_);
+  } else {
+    own_leaked_ = true;  // a peer may still write into it: freeing it would be UB
+  }
+  dev_seg_ = nullptr;
   (void)cudaGetLastError();
   if (prev >= 0 && prev != device_) (void)cudaSetDevice(prev);
+  return all;
+}
+
+void CudaTransport::close() {
+  close_imports();
+  free_own(0.0);
 }
 
 void CudaTransport::require_open(const char* what) const {
-  if (closed_) PA2A_THROW(kRuntime, "CUDA transport: ", what, " after close()");
+  if (imports_closed_) PA2A_THROW(kRuntime, "CUDA transport: ", what, " after close()");
 }
 
 uint64_t CudaTransport::error_word() const {
@@ -410,6 +629,14 @@ void CudaTransport::check() {
       *reinterpret_cast<volatile uint64_t*>(err_host_) = 0;
       PA2A_THROW(kAborted, "rank ", peer, " aborted ", op_name(op), " (call ", seq,
                  ") because it raised an error; see that rank's traceback");
+    case DeviceError::kBadInput:
+      *reinterpret_cast<volatile uint64_t*>(err_host_) = 0;
+      PA2A_THROW(kValue, "topk_ids of ", op_name(op), " (call ", seq, ") on rank ", rank_,
+                 " held an expert id outside [-1, ", placement_.num_experts,
+                 ") or an expert listed twice for one token; allowed: -1 (no expert) or an id "
+                 "in range, each at most once per token. The GPU checks ids without a host "
+                 "synchronisation, so this is raised at the next call: those entries were "
+                 "skipped (not sent)");
     case DeviceError::kOpMismatch:
       PA2A_THROW(kPeer, "rank ", peer, " is in another call than rank ", rank_, "'s ", op_name(op),
                  " (call ", seq,
@@ -428,6 +655,23 @@ void CudaTransport::check() {
   }
 }
 
+TransportStats CudaTransport::stats() {
+  require_open("stats");
+  DeviceGuard guard(device_);
+  wait_own_work();
+  DeviceState st{};
+  PA2A_CUDA_CHECK(cudaMemcpyAsync(&st, state_, sizeof(st), cudaMemcpyDeviceToHost, aux_));
+  PA2A_CUDA_CHECK(cudaStreamSynchronize(aux_));
+  TransportStats r;
+  r.calls = st.stat_calls;
+  r.last_family = st.stat_last_family;
+  const int32_t W = config_.world;
+  r.last_rows.assign(st.stat_last_rows, st.stat_last_rows + W);
+  for (int f = 0; f < 2; ++f)
+    r.total_rows[f].assign(st.stat_total_rows[f], st.stat_total_rows[f] + W);
+  return r;
+}
+
 KernelContext CudaTransport::context() const {
   KernelContext k{};
   k.cfg = config_;
@@ -439,29 +683,34 @@ KernelContext CudaTransport::context() const {
   k.state = state_;
   k.err = err_dev_;
   k.placement = placement_;
+  k.ecount = ecount_ws_;
+  k.cnt_ws = cnt_ws_;
+  k.max_recv_blocks = static_cast<uint32_t>(max_recv_blocks_);
+  k.pdl = pdl_;
   return k;
 }
 
 namespace {
-void check_aligned(const void* p, const char* name) {
-  PA2A_CHECK_ARG(reinterpret_cast<uintptr_t>(p) % 16 == 0, name,
-                 " must be 16-byte aligned for vector stores, got address ", p);
+void check_aligned(const void* p, size_t align, const char* name) {
+  PA2A_CHECK_ARG(reinterpret_cast<uintptr_t>(p) % align == 0, name, " must be ", align,
+                 "-byte aligned, got address ", p);
 }
 }  // namespace
 
 void CudaTransport::dispatch_send(CallTicket* ticket, uint32_t op, const void* x,
-                                  int32_t num_tokens, const int32_t* topk_ids,
+                                  int32_t num_tokens, const void* topk_ids, bool ids64,
                                   const float* topk_weights, int32_t topk, int32_t* send_token,
                                   int32_t* send_count, cudaStream_t stream) {
   check_dispatch_args(x, num_tokens, topk);
+  check_aligned(topk_ids, ids64 ? 8 : 4, "topk_ids");
   DeviceGuard guard(device_);
   const KernelContext k = context();
   ++host_seq_;
   last_ce_mask_ = 0;
-  launch_begin_call(k, ticket, op, 0, false, stream);
-  launch_dispatch_send(k, ticket, x, num_tokens, topk_ids, topk_weights, topk, qbuf_, send_token,
-                       send_count, nullptr, 0, stream);
+  launch_dispatch_send(k, ticket, true, op, x, num_tokens, topk_ids, ids64, topk_weights, topk,
+                       send_token, send_count, nullptr, 0, stream);
   check_launch("dispatch_send");
+  mark_done(stream);
 }
 
 void CudaTransport::check_dispatch_args(const void* x, int32_t num_tokens, int32_t topk) const {
@@ -472,7 +721,7 @@ void CudaTransport::check_dispatch_args(const void* x, int32_t num_tokens, int32
                  config_.max_tokens, "], got ", num_tokens);
   PA2A_CHECK_ARG(topk >= 0 && topk <= config_.num_topk, "topk must be in [0, ", config_.num_topk,
                  "], got ", topk);
-  check_aligned(x, "x");
+  check_aligned(x, 16, "x (vector loads)");
 }
 
 // ---- copy-engine path (normal mode) -------------------------------------------------------
@@ -496,6 +745,23 @@ void CudaTransport::ensure_copy_engine(bool need_pack) {
       if (ce_join_[r] == nullptr)
         PA2A_CUDA_CHECK(cudaEventCreateWithFlags(&ce_join_[r], cudaEventDisableTiming));
     }
+    // The flag after a copy: a stream memory operation where the driver has it (through
+    // its entry point, so the module needs no -lcuda link).
+    if (ce_flag_path_ == 0) {
+      void* f32 = nullptr;
+      void* f64 = nullptr;
+      cudaDriverEntryPointQueryResult q32{}, q64{};
+      const bool ok = cudaGetDriverEntryPointByVersion("cuStreamWriteValue32", &f32, 12000,
+                                                       cudaEnableDefault, &q32) == cudaSuccess &&
+                      cudaGetDriverEntryPointByVersion("cuStreamWriteValue64", &f64, 12000,
+                                                       cudaEnableDefault, &q64) == cudaSuccess &&
+                      q32 == cudaDriverEntryPointSuccess && q64 == cudaDriverEntryPointSuccess &&
+                      f32 && f64;
+      (void)cudaGetLastError();
+      write32_ = ok ? reinterpret_cast<WriteValue32>(f32) : nullptr;
+      write64_ = ok ? reinterpret_cast<WriteValue64>(f64) : nullptr;
+      ce_flag_path_ = ok ? 1 : 2;
+    }
     ce_ready_ = true;
   }
   // Allocated on the first copy-engine dispatch, not at construction: prefill-sized
@@ -503,6 +769,10 @@ void CudaTransport::ensure_copy_engine(bool need_pack) {
   if (need_pack && pack_ == nullptr)
     PA2A_CUDA_CHECK(
         cudaMalloc(&pack_, static_cast<size_t>(W) * config_.max_tokens * layout_.dispatch_slot));
+}
+
+const char* CudaTransport::ce_flag_path() const {
+  return ce_flag_path_ == 1 ? "stream_memop" : (ce_flag_path_ == 2 ? "kernel" : "");
 }
 
 // Copies the call's ticket (and the per-destination counts) to the host and waits for
@@ -517,11 +787,28 @@ void CudaTransport::read_back(const CallTicket* ticket, bool counts, cudaStream_
   PA2A_CUDA_CHECK(cudaStreamSynchronize(stream));
 }
 
+// After the copy on stream s: sig, then the word, each a stream memory operation whose
+// default (no CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER) orders the stream's earlier work
+// (the copy) before the write, system-wide. The kernel path is the fallback.
+void CudaTransport::publish_ce_flag(int32_t dest, const CallTicket& t, uint32_t count,
+                                    cudaStream_t s) {
+  uint8_t* line = table_.send_base[dest] + kSegmentHeaderBytes +
+                  flag_offset(config_, static_cast<int>(t.seq & 1u), rank_);
+  const auto addr = reinterpret_cast<uintptr_t>(line);
+  if (write64_ != nullptr && write32_(s, addr + offsetof(FlagLine, sig), t.op, 0) == 0 &&
+      write64_(s, addr + offsetof(FlagLine, word), pack_flag(t.seq, count), 0) == 0)
+    return;
+  write32_ = nullptr;  // unsupported here (an old driver or device): the kernel from now on
+  write64_ = nullptr;
+  ce_flag_path_ = 2;
+  launch_publish_one(context(), t.seq, t.op, dest, count, s);
+  check_launch("publish_one");
+}
+
 void CudaTransport::push_copies(const std::vector<CeCopy>& copies, uint64_t mask,
                                 const CallTicket& t, cudaStream_t stream) {
   last_ce_mask_ = mask;
   if (mask == 0) return;
-  const KernelContext k = context();
   PA2A_CUDA_CHECK(cudaEventRecord(ce_fork_, stream));
   for (int32_t i = 0; i < config_.world; ++i) {
     const int32_t r = table_.order[i];
@@ -533,8 +820,7 @@ void CudaTransport::push_copies(const std::vector<CeCopy>& copies, uint64_t mask
     // mapped here; unified addressing tells the copy engine which.
     PA2A_CUDA_CHECK(
         cudaMemcpyAsync(table_.send_base[r] + c.dst_off, c.src, c.bytes, cudaMemcpyDefault, s));
-    launch_publish_one(k, t.seq, t.op, r, c.count, s);
-    check_launch("publish_one");
+    publish_ce_flag(r, t, c.count, s);
     PA2A_CUDA_CHECK(cudaEventRecord(ce_join_[r], s));
     PA2A_CUDA_CHECK(cudaStreamWaitEvent(stream, ce_join_[r], 0));
   }
@@ -542,9 +828,7 @@ void CudaTransport::push_copies(const std::vector<CeCopy>& copies, uint64_t mask
 
 namespace {
 void refuse_capture(cudaStream_t stream, const char* what) {
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  if (cudaStreamIsCapturing(stream, &status) == cudaSuccess &&
-      status != cudaStreamCaptureStatusNone)
+  if (capturing(stream))
     PA2A_THROW(kValue, what,
                " through the copy engine synchronises the host and cannot be captured in a "
                "CUDA graph; capture low_latency_dispatch/low_latency_combine instead");
@@ -552,17 +836,18 @@ void refuse_capture(cudaStream_t stream, const char* what) {
 }  // namespace
 
 void CudaTransport::dispatch_send_ce(CallTicket* ticket, uint32_t op, const void* x,
-                                     int32_t num_tokens, const int32_t* topk_ids,
+                                     int32_t num_tokens, const void* topk_ids, bool ids64,
                                      const float* topk_weights, int32_t topk, int32_t* send_token,
                                      int32_t* send_count, uint64_t min_bytes, cudaStream_t stream) {
   check_dispatch_args(x, num_tokens, topk);
+  check_aligned(topk_ids, ids64 ? 8 : 4, "topk_ids");
   DeviceGuard guard(device_);
   refuse_capture(stream, "dispatch");
   ensure_copy_engine(true);
   const KernelContext k = context();
   ++host_seq_;
   launch_begin_call(k, ticket, op, 0, false, stream);
-  launch_count_destinations(k, topk_ids, num_tokens, topk, ce_counts_dev_, stream);
+  launch_count_destinations(k, topk_ids, ids64, num_tokens, topk, ce_counts_dev_, stream);
   check_launch("count_destinations");
   read_back(ticket, true, stream);
   const CallTicket t = ce_host_->ticket;
@@ -580,10 +865,11 @@ void CudaTransport::dispatch_send_ce(CallTicket* ticket, uint32_t op, const void
     copies[d].bytes = static_cast<size_t>(n) * slot;
     copies[d].count = static_cast<uint32_t>(n);
   }
-  launch_dispatch_send(k, ticket, x, num_tokens, topk_ids, topk_weights, topk, qbuf_, send_token,
-                       send_count, pack_, mask, stream);
+  launch_dispatch_send(k, ticket, false, op, x, num_tokens, topk_ids, ids64, topk_weights, topk,
+                       send_token, send_count, pack_, mask, stream);
   check_launch("dispatch_send");
   push_copies(copies, mask, t, stream);
+  mark_done(stream);
 }
 
 void CudaTransport::combine_send_ce(CallTicket* ticket, uint32_t op, const void* y,
@@ -603,7 +889,7 @@ void CudaTransport::combine_send_ce(CallTicket* ticket, uint32_t op, const void*
                    "combine_send_ce: counts[", s, "] = ", counts[s], " must be in [0, ",
                    config_.max_tokens, "] and row_base[", s, "] = ", row_base_host[s],
                    " non-negative");
-  check_aligned(y, "y");
+  check_aligned(y, 16, "y (vector loads)");
   const size_t slot = layout_.combine_slot;
   // A combine slot is exactly one row of y (hidden % 8 == 0), so rows copy as one block.
   PA2A_CHECK_ARG(slot == 2 * static_cast<size_t>(config_.hidden),
@@ -629,9 +915,11 @@ void CudaTransport::combine_send_ce(CallTicket* ticket, uint32_t op, const void*
     copies[s].bytes = static_cast<size_t>(n) * slot;
     copies[s].count = static_cast<uint32_t>(n);
   }
-  launch_combine_send(k, ticket, y, recv_count, row_base, nullptr, nullptr, nullptr, mask, stream);
+  launch_combine_send(k, ticket, false, op, y, recv_count, row_base, nullptr, nullptr, nullptr,
+                      mask, stream);
   check_launch("combine_send");
   push_copies(copies, mask, t, stream);
+  mark_done(stream);
 }
 
 void CudaTransport::abort(CallTicket* ticket, uint32_t op, int family, cudaStream_t stream) {
@@ -641,6 +929,7 @@ void CudaTransport::abort(CallTicket* ticket, uint32_t op, int family, cudaStrea
   ++host_seq_;
   launch_begin_call(context(), ticket, op, family, true, stream);
   check_launch("abort");
+  mark_done(stream);
 }
 
 void CudaTransport::wait_counts(const CallTicket* ticket, int32_t* counts, double timeout_s,
@@ -649,6 +938,7 @@ void CudaTransport::wait_counts(const CallTicket* ticket, int32_t* counts, doubl
   DeviceGuard guard(device_);
   launch_wait_counts(context(), ticket, counts, timeout_ns(timeout_s), tolerate_aborts, stream);
   check_launch("wait_counts");
+  mark_done(stream);
 }
 
 void CudaTransport::unpack_rows(const CallTicket* ticket, bool wait, int32_t* counts,
@@ -661,12 +951,14 @@ void CudaTransport::unpack_rows(const CallTicket* ticket, bool wait, int32_t* co
   PA2A_CHECK_ARG(fp8_out == nullptr || config_.payload == Payload::kFP8,
                  "raw fp8 output needs payload='fp8'");
   PA2A_CHECK_ARG(fp8_out != nullptr || x_out != nullptr, "unpack_rows needs an output");
-  check_aligned(fp8_out != nullptr ? static_cast<const void*>(fp8_out) : x_out, "x_out");
+  check_aligned(fp8_out != nullptr ? static_cast<const void*>(fp8_out) : x_out, 16,
+                "x_out (vector stores)");
   DeviceGuard guard(device_);
   launch_unpack_rows(context(), ticket, wait, counts, row_base, x_out, fp8_out, scales_out,
                      src_rank, src_token, topk_ids, topk_weights, expert_count,
                      timeout_ns(timeout_s), stream);
   check_launch("unpack_rows");
+  mark_done(stream);
 }
 
 void CudaTransport::unpack_expert_major(const CallTicket* ticket, int32_t* recv_count, void* x_out,
@@ -678,12 +970,14 @@ void CudaTransport::unpack_expert_major(const CallTicket* ticket, int32_t* recv_
   PA2A_CHECK_ARG(fp8_out == nullptr || config_.payload == Payload::kFP8,
                  "raw fp8 output needs payload='fp8'");
   PA2A_CHECK_ARG(fp8_out != nullptr || x_out != nullptr, "unpack_expert_major needs an output");
-  check_aligned(fp8_out != nullptr ? static_cast<const void*>(fp8_out) : x_out, "x_out");
+  check_aligned(fp8_out != nullptr ? static_cast<const void*>(fp8_out) : x_out, 16,
+                "x_out (vector stores)");
   DeviceGuard guard(device_);
-  launch_unpack_expert_major(context(), ticket, recv_count, cnt_ws_, x_out, fp8_out, scales_out,
+  launch_unpack_expert_major(context(), ticket, recv_count, x_out, fp8_out, scales_out,
                              expert_count, src_info, layout_range, expert_pos, row_experts,
                              row_weights, timeout_ns(timeout_s), stream);
   check_launch("unpack_expert_major");
+  mark_done(stream);
 }
 
 void CudaTransport::combine_send(CallTicket* ticket, uint32_t op, const void* y,
@@ -694,15 +988,15 @@ void CudaTransport::combine_send(CallTicket* ticket, uint32_t op, const void* y,
   PA2A_CHECK_ARG(opened_, "combine_send before open_peers");
   PA2A_CHECK_ARG(expert_pos == nullptr || (row_experts != nullptr && row_weights != nullptr),
                  "expert-major combine needs expert_pos, row_experts and row_weights");
-  check_aligned(y, "y");
+  check_aligned(y, 16, "y (vector loads)");
   DeviceGuard guard(device_);
   const KernelContext k = context();
   ++host_seq_;
   last_ce_mask_ = 0;
-  launch_begin_call(k, ticket, op, 1, false, stream);
-  launch_combine_send(k, ticket, y, recv_count, row_base, expert_pos, row_experts, row_weights, 0,
-                      stream);
+  launch_combine_send(k, ticket, true, op, y, recv_count, row_base, expert_pos, row_experts,
+                      row_weights, 0, stream);
   check_launch("combine_send");
+  mark_done(stream);
 }
 
 void CudaTransport::reduce_expert_major(const void* y, const int32_t* recv_count,
@@ -710,12 +1004,13 @@ void CudaTransport::reduce_expert_major(const void* y, const int32_t* recv_count
                                         const float* row_weights, void* rows_out,
                                         cudaStream_t stream) {
   require_open("reduce_expert_major");
-  check_aligned(y, "y");
-  check_aligned(rows_out, "rows_out");
+  check_aligned(y, 16, "y (vector loads)");
+  check_aligned(rows_out, 16, "rows_out (vector stores)");
   DeviceGuard guard(device_);
   launch_reduce_rows(context(), y, recv_count, expert_pos, row_experts, row_weights, rows_out,
                      stream);
   check_launch("reduce_expert_major");
+  mark_done(stream);
 }
 
 void CudaTransport::combine_recv(const CallTicket* ticket, const int32_t* send_token,
@@ -724,11 +1019,12 @@ void CudaTransport::combine_recv(const CallTicket* ticket, const int32_t* send_t
   require_open("combine_recv");
   PA2A_CHECK_ARG(num_tokens >= 0 && num_tokens <= config_.max_tokens, "num_tokens must be in [0, ",
                  config_.max_tokens, "], got ", num_tokens);
-  check_aligned(out, "out");
+  check_aligned(out, 16, "out (vector stores)");
   DeviceGuard guard(device_);
   launch_combine_recv(context(), ticket, send_token, send_count, num_tokens, out,
                       timeout_ns(timeout_s), stream);
   check_launch("combine_recv");
+  mark_done(stream);
 }
 
 }  // namespace pa2a::cuda

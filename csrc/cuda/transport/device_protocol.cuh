@@ -7,21 +7,30 @@
 // memory mapped into our address space) is a posted write: it leaves the SM and the
 // sender moves on. A load from a peer is a non-posted round trip of ~1 us, and peer
 // atomics are a read followed by a write (not atomic at all across PCIe). So:
-//   * senders push every byte with 16-byte vector stores straight into the receiver's
-//     segment (peer device memory through CUDA IPC, or the receiver's pinned host memory
-//     for pairs the planner marks "staged");
+//   * senders push every byte with vector stores straight into the receiver's segment
+//     (peer device memory through CUDA IPC, or the receiver's pinned host memory for
+//     pairs the planner marks "staged");
 //   * receivers poll only flags that live in their own segment (device memory, or their
 //     own pinned host memory for staged pairs: the read there stays on the receiver's
 //     NUMA node, which is why the staging memory belongs to the receiver);
+//   * one poller per source: the first work items of a receive kernel each poll one
+//     source's flag (with exponential back-off) and mirror it into this GPU's own memory
+//     (DeviceState::mirror); every other block waits on the mirror, a local read. For a
+//     staged pair each poll is a read across PCIe, so this keeps it to one reader;
 //   * no kernel issues an atomic on memory it does not own. The only atomics are on the
-//     local DeviceState (block-arrival counters) and the local expert counts.
+//     local DeviceState (block arrivals, work tickets) and local counters.
 //
 // Who writes what.
 //   * Flag line [seq % 2][s] of receiver r: written only by sender s (the last block of
 //     s's send kernel to arrive), sig first (relaxed), then the 64-bit word
 //     (seq << 32 | count) with st.release.sys after a fence.acq_rel.sys that follows every
 //     block's row stores. Receivers read it with ld.acquire.sys and never write it.
-//   * Slots [parity][s][*] of receiver r: written only by sender s.
+//   * Slots [parity][s][*] of receiver r: written only by sender s. Word 1 of a dispatch
+//     row's header ({src_rank, seq}) is stored last with st.release.sys when the pair is
+//     staged: the row is its own arrival mark, so the receiver drains rows while the
+//     sender is still writing (per-chunk progress instead of one flag at the end).
+//   * Header lines of receiver r (kProbeLineOff, kCloseLineOff): written only by sender s
+//     at bootstrap (the P2P probe) and at close (the close mark).
 //   * DeviceState: written only by this rank's own kernels, in stream order.
 //   * The error word (host-mapped, this rank's own): written by this rank's kernels when a
 //     wait expires or a flag is inconsistent; read and cleared by this rank's host.
@@ -29,19 +38,32 @@
 // Why reuse is safe. The reuse invariant of core/wire_format.h (a rank finishes receiving
 // call n before it sends call n + 1) holds on the device because the receive kernels of
 // call n precede the send kernel of call n + 1 on the caller's stream: a send kernel
-// cannot start before the receive kernel that read the same parity has finished. Callers
-// that overlap two micro-batches with the send/recv halves must keep that order per
-// Buffer (recv of call n before send of call n + 1); two Buffers do not share regions.
+// cannot start before the receive kernel that read the same parity has finished (with
+// programmatic dependent launch the next kernel may be *scheduled* early, but every kernel
+// calls griddep_wait() before it touches memory, which waits for the previous grid to
+// complete and flush). Callers that overlap two micro-batches with the send/recv halves
+// must keep that order per Buffer; two Buffers do not share regions.
 //
 // Call numbers live on the device. A CUDA graph replays kernels with frozen arguments,
-// so `seq` and the parity cannot be kernel arguments. A one-thread `begin` kernel
-// advances DeviceState (seq, per-family call count) and writes the call's CallTicket;
-// every later kernel of that call reads its ticket. Replays therefore advance the epoch
-// exactly as eager calls do, and the send/recv halves of one call agree on it.
+// so `seq` and the parity cannot be kernel arguments. The send kernel of a call reads
+// DeviceState (every block, at its start: no kernel of this transport runs beside it),
+// derives the call's CallTicket itself, and its last block to finish writes the ticket
+// and advances DeviceState; every later kernel of the call reads the ticket. Replays
+// therefore advance the epoch exactly as eager calls do. (The copy-engine path and aborts
+// advance it with the separate one-thread begin kernel: they need the ticket on the host
+// or have no send kernel.)
+//
+// Work items. Receive kernels take work items from a ticket counter in DeviceState
+// (atomicAdd), not from blockIdx: items are handed out in increasing order to blocks that
+// are running, so an item may wait for an item with a smaller ticket (the pollers come
+// first) without any assumption about block scheduling, and the grid can be capped
+// (max_recv_blocks) below the number of items. The last block to finish resets the
+// counter for the next receive kernel, so no memset precedes any kernel.
 //
 // Never hang. Every wait reads %globaltimer and gives up at a deadline; it then writes
-// the error word (code, op, peer, seq) and the kernel returns. The host turns the word
-// into an exception (CudaTransport::check). A send kernel never waits on anything.
+// the error word (code, op, peer, seq) and the kernel returns. The error word is read only
+// on that timer path (every few polls), not on every poll. The host turns the word into an
+// exception (CudaTransport::check). A send kernel never waits on anything.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -60,6 +82,18 @@ enum class PairTransport : int32_t { kP2P = 0, kStaged = 1 };
 // servers have at most 8-10 GPUs per box; the CPU transport allows more.
 constexpr int kMaxWorld = 64;
 
+// Lines in the 4 KiB segment header (after the SegmentHeader itself), one per source:
+// the close mark (8 bytes) and the bootstrap P2P probe (16 bytes of pattern, then the
+// 8-byte release-stored word).
+constexpr size_t kCloseLineOff = 1024;
+constexpr size_t kCloseLineBytes = 8;
+constexpr size_t kProbeLineOff = 2048;
+constexpr size_t kProbeLineBytes = 32;
+static_assert(sizeof(SegmentHeader) <= kCloseLineOff, "header lines after the SegmentHeader");
+static_assert(kCloseLineOff + kMaxWorld * kCloseLineBytes <= kProbeLineOff, "close lines fit");
+static_assert(kProbeLineOff + kMaxWorld * kProbeLineBytes <= kSegmentHeaderBytes,
+              "probe lines fit in the segment header");
+
 // Error codes written into the error word (append-only; mirrored in the host message).
 enum class DeviceError : uint32_t {
   kNone = 0,
@@ -68,6 +102,7 @@ enum class DeviceError : uint32_t {
   kOpMismatch = 3,     // the peer is in another call (sig != op)
   kBadCount = 4,       // the peer announced more rows than max_tokens
   kCountMismatch = 5,  // combine: rows returned != rows dispatched
+  kBadInput = 6,       // this rank's topk_ids held an id outside [-1, E) or a duplicate
 };
 
 // One 64-bit word so a single store is self-consistent whichever block wins:
@@ -88,16 +123,36 @@ PA2A_HD int32_t error_peer(uint64_t w) {
 PA2A_HD uint32_t error_seq(uint64_t w) {
   return static_cast<uint32_t>(w);
 }
+// Problems after which the Buffer stays usable: the host clears them once reported.
+PA2A_HD bool error_is_mild(DeviceError e) {
+  return e == DeviceError::kAborted || e == DeviceError::kBadInput;
+}
 
-// This rank's call counters, in its own device memory.
+// The count field of a mirrored flag whose wait failed (an error was recorded): the
+// waiters of that source treat it as no rows. Valid counts are <= max_tokens < 2^20.
+constexpr uint32_t kMirrorFailed = 0xffffffffu;
+
+// This rank's call counters and receive bookkeeping, in its own device memory.
 struct DeviceState {
-  uint32_t seq;        // last call number begun (dispatch and combine share it)
-  uint32_t calls[2];   // calls begun per family (0 dispatch, 1 combine): slot parity
-  uint32_t arrive[2];  // blocks of the running send kernel that finished (per family)
-  uint32_t reserved[3];
+  uint32_t seq;          // last call number begun (dispatch and combine share it)
+  uint32_t calls[2];     // calls begun per family (0 dispatch, 1 combine): slot parity
+  uint32_t arrive[2];    // blocks of the running send kernel that finished (per family)
+  uint32_t recv_ticket;  // next work item of the running receive kernel
+  uint32_t recv_done;    // blocks of the running receive kernel that finished
+  uint32_t reserved;
+  // mirror[s]: pack_flag(seq, count) of source s for call seq, written by the poller of
+  // s (count kMirrorFailed when its wait failed); read by the other work items.
+  uint64_t mirror[kMaxWorld];
+  // Statistics, kept by the send kernels (read by the host only when asked for).
+  uint64_t stat_calls;                     // send kernels completed (dispatch + combine)
+  uint32_t stat_last_family;               // family of the last one
+  uint32_t stat_reserved;                  //
+  uint32_t stat_last_rows[kMaxWorld];      // rows it sent to each rank
+  uint64_t stat_total_rows[2][kMaxWorld];  // rows sent per family and rank, in total
 };
 
-// What the kernels of one call agree on. Written by the begin kernel, read by the rest.
+// What the kernels of one call agree on. Written by the send kernel (or the begin
+// kernel), read by the rest.
 struct CallTicket {
   uint32_t seq;
   uint32_t parity;  // slot parity of the call's family
@@ -112,22 +167,24 @@ struct PeerTable {
   uint8_t* recv_base[kMaxWorld];  // own segment in which source s writes to us (own device
                                   // memory, or own pinned host memory for staged pairs)
   int32_t order[kMaxWorld];       // destinations in the planner's send order
+  uint64_t staged_send;           // bit d: this rank reaches d through host memory
+  uint64_t staged_recv;           // bit s: s reaches this rank through host memory
 };
 
 // ---- memory-ordering primitives ---------------------------------------------------------
-// System scope everywhere: the other side is another GPU or the CPU-side memory a GPU
-// polls, never only this GPU. The primitives (ld_acquire_sys, ld_relaxed_sys,
-// st_release_sys, st_relaxed_sys, fence_acq_rel_sys, globaltimer_ns) are the inline PTX
-// of cuda/transport/ptx.cuh.
+// System scope for everything another agent writes or reads (another GPU, or the
+// CPU-side memory a GPU polls); GPU scope for what only this GPU's blocks share (the
+// mirrors). The primitives are the inline PTX of cuda/transport/ptx.cuh.
 
 // Records the first problem of a call. Plain (relaxed, system-scope) store: the host reads
-// the word without synchronising, and any writer's word is a complete description. An
-// abort is the mildest problem (the host clears it and the Buffer stays usable), so any
-// other problem replaces it: a peer that aborted must not hide a peer that never came.
+// the word without synchronising, and any writer's word is a complete description. Aborts
+// and bad input are the mildest problems (the host clears them and the Buffer stays
+// usable), so any other problem replaces them: a peer that aborted must not hide a peer
+// that never came.
 __device__ __forceinline__ void record_error(uint64_t* err, DeviceError code, uint32_t op,
                                              int32_t peer, uint32_t seq) {
   const uint64_t old = *reinterpret_cast<volatile uint64_t*>(err);
-  if (old == 0 || (error_code(old) == DeviceError::kAborted && code != DeviceError::kAborted))
+  if (old == 0 || (error_is_mild(error_code(old)) && !error_is_mild(code)))
     st_relaxed_sys(err, pack_error(code, op, peer, seq));
 }
 
@@ -140,6 +197,40 @@ __device__ __forceinline__ FlagLine* flag_line_at(uint8_t* base, int parity, int
   return reinterpret_cast<FlagLine*>(base + kSegmentHeaderBytes + flag_offset(c, parity, src));
 }
 
+// Exponential back-off of a polling loop: starts at kBackoffMinNs and doubles to
+// kBackoffMaxNs. A poll of a staged flag is a PCIe read; a poll of a P2P flag competes
+// with the rows arriving in the same memory. The cap bounds the added latency once the
+// data arrives. The clock (and the error word) is read every kClockEvery polls.
+constexpr unsigned kBackoffMinNs = 32;
+constexpr unsigned kBackoffMaxNs = 512;
+constexpr unsigned kClockEvery = 8;
+
+struct Poll {
+  uint64_t start, timeout_ns;
+  uint32_t spins = 0;
+  unsigned sleep_ns = kBackoffMinNs;
+  __device__ __forceinline__ Poll(uint64_t timeout)
+      : start(globaltimer_ns()), timeout_ns(timeout) {}
+  // Sleeps; returns false once the deadline passed or another wait of this rank timed
+  // out (then the caller gives up; `expired()` tells which).
+  __device__ __forceinline__ bool again(const uint64_t* err) {
+    if ((++spins % kClockEvery) == 0) {
+      if (globaltimer_ns() - start > timeout_ns) {
+        expired_ = true;
+        return false;
+      }
+      if (timed_out_elsewhere(err)) return false;
+    }
+    __nanosleep(sleep_ns);
+    sleep_ns = sleep_ns * 2 > kBackoffMaxNs ? kBackoffMaxNs : sleep_ns * 2;
+    return true;
+  }
+  __device__ __forceinline__ bool expired() const { return expired_; }
+
+ private:
+  bool expired_ = false;
+};
+
 // Polls the flag of (src -> this rank) for call t.seq in our own memory until it holds
 // t.seq or the deadline passes. Returns the row count, or -1 after recording an error.
 // `max_count` bounds a sane count (max_tokens); `expect` >= 0 demands an exact count.
@@ -150,19 +241,13 @@ __device__ __forceinline__ FlagLine* flag_line_at(uint8_t* base, int parity, int
 __device__ __forceinline__ int32_t wait_flag(const FlagLine* f, const CallTicket& t, int32_t src,
                                              int32_t max_count, int32_t expect, uint64_t timeout_ns,
                                              uint64_t* err, bool tolerate = false) {
-  const uint64_t start = globaltimer_ns();
-  uint32_t spins = 0;
+  Poll poll(timeout_ns);
   uint64_t w = ld_acquire_sys(&f->word);
   while (flag_seq(w) != t.seq) {
-    // Check the clock every 64 polls: %globaltimer is a slow special register.
-    if ((++spins & 63u) == 0) {
-      if (globaltimer_ns() - start > timeout_ns) {
-        record_error(err, DeviceError::kTimeout, t.op, src, t.seq);
-        return -1;
-      }
-      if (timed_out_elsewhere(err)) return -1;
+    if (!poll.again(err)) {
+      if (poll.expired()) record_error(err, DeviceError::kTimeout, t.op, src, t.seq);
+      return -1;
     }
-    __nanosleep(64);  // back off: the poll competes with the rows arriving over PCIe
     w = ld_acquire_sys(&f->word);
   }
   if (tolerate) return 0;
@@ -184,6 +269,30 @@ __device__ __forceinline__ int32_t wait_flag(const FlagLine* f, const CallTicket
     return -1;
   }
   return static_cast<int32_t>(n);
+}
+
+// The poller's result for the other work items: release at GPU scope (the readers are
+// blocks of this GPU), after whatever the poller wrote that they need.
+__device__ __forceinline__ void publish_mirror(DeviceState* st, int s, uint32_t seq, int32_t n) {
+  st_release_gpu(&st->mirror[s], pack_flag(seq, n < 0 ? kMirrorFailed : static_cast<uint32_t>(n)));
+}
+
+// Waits (one thread) for the mirror of source s for call seq; returns its count, or -1
+// when the poller failed or (after a deadline, recorded) never published. The acquire
+// pairs with publish_mirror, and through the poller's own acquire of the flag with the
+// sender's release: the rows the flag covers are visible after it.
+__device__ __forceinline__ int32_t wait_mirror(const DeviceState* st, int s, const CallTicket& t,
+                                               uint64_t timeout_ns, uint64_t* err) {
+  Poll poll(timeout_ns);
+  uint64_t w = ld_acquire_gpu(&st->mirror[s]);
+  while (flag_seq(w) != t.seq) {
+    if (!poll.again(err)) {
+      if (poll.expired()) record_error(err, DeviceError::kTimeout, t.op, s, t.seq);
+      return -1;
+    }
+    w = ld_acquire_gpu(&st->mirror[s]);
+  }
+  return flag_count(w) == kMirrorFailed ? -1 : static_cast<int32_t>(flag_count(w));
 }
 
 }  // namespace pa2a::cuda

@@ -1,29 +1,28 @@
-// Launchers of the dispatch/combine kernels (definitions in kernels.cu). Torch-free: raw
-// device pointers, sizes and a stream. Every launcher enqueues work only (no host
-// synchronisation), so each call can be captured in a CUDA graph.
+// Launchers of the dispatch/combine kernels, one file per phase: kernels_send.cu (dispatch
+// send, copy-engine helpers, begin), kernels_recv.cu (wait, unpack rows, expert-major
+// receive), kernels_combine.cu (combine send, pre-reduction, combine receive) and
+// kernels_control.cu (bootstrap probe, close mark, kernel loading). Torch-free: raw device
+// pointers, sizes and a stream. Every launcher enqueues work only (no host
+// synchronisation, no memset), so each call can be captured in a CUDA graph.
 //
-// Kernels (one call = begin, then the send half, then the receive half):
-//   begin_call        1 block: advances DeviceState, writes the call's CallTicket; with
-//                     `abort` also publishes kAbortCount flags to every rank.
-//   dispatch_send     one warp per row (token, destination rank); 16-byte stores into the
-//                     destination's slot; the last block to finish fences and release-
-//                     stores the (seq, count) flag of every destination in planner order.
-//   wait_counts       normal mode: acquires every source's flag, writes the counts.
-//   unpack_rows       rows layout: per source, acquire its flag (or re-check it), copy rows
-//                     out (dequantising fp8 unless raw fp8 is asked for), count experts.
-//   em_count          expert-major step 1: per source, acquire its flag, write the row
-//                     metadata and each row's position among that source's rows of each
-//                     local expert (warp ballots, so positions follow the CPU's (s, j) order).
-//   em_scatter        expert-major step 2: prefix over sources, copy payloads into
-//                     [E_local, world * max_tokens, H], src_info, layout_range, counts.
-//   combine_send      one warp per returned row: copy it (rows layout) or pre-reduce the
-//                     weighted expert outputs in fp32 (expert-major), push to the source.
-//   reduce_rows       the expert-major pre-reduction alone (into local rows).
-//   count_destinations / publish_one
-//                     normal mode's copy-engine path: rows per destination before the
-//                     send (the host sizes the copies), and one flag after each copy.
-//   combine_recv      one warp per token: acquire every flag, sum partials in fp32 in
-//                     ascending rank order (the CPU order), write the dtype of x.
+// A low-latency dispatch + combine is four kernels:
+//   dispatch_send     begins the call (derives the CallTicket from DeviceState; its last
+//                     block writes the ticket and advances the state), one warp per row
+//                     (token, destination rank), fp8 quantised per warp straight into the
+//                     slot, then the last block to finish fences and release-stores the
+//                     (seq, count) flag of every destination in planner order.
+//   unpack_rows       rows layout: pollers (one per source) acquire the flags and mirror
+//     or em_recv      them locally; row items copy or dequantise rows out and count experts;
+//                     expert-major: count items (per source: positions from warp-ballot
+//                     scans), scatter items (rows into [E_local, world * max_tokens, H]),
+//                     tail items (tokens_per_expert, src_info padding).
+//   combine_send      begins the combine call; copies rows back, or pre-reduces expert-major
+//                     outputs (weighted, fp32, k order) into them, and publishes flags.
+//   combine_recv      pollers per source, then one warp per token: sum the partials in fp32
+//                     in ascending rank order (the CPU order).
+// Normal mode adds wait_counts (the host reads the counts); the copy-engine path adds
+// begin_call, count_destinations and, per copy, a stream memory operation (or the
+// publish_one kernel) for the flag.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -43,57 +42,73 @@ struct KernelContext {
   SlotLayout slot;
   int32_t rank;
   int32_t num_local_experts;
-  const PeerTable* peers;  // device
-  DeviceState* state;      // device
-  uint64_t* err;           // device pointer of the host-mapped error word
-  Placement placement;     // device arrays
+  const PeerTable* peers;    // device
+  DeviceState* state;        // device
+  uint64_t* err;             // device pointer of the host-mapped error word
+  Placement placement;       // device arrays
+  int32_t* ecount;           // [max(E_local, 1)] expert counts of the running unpack, 0 between
+  int32_t* cnt_ws;           // [max(E_local, 1), world] expert-major counts per source
+  uint32_t max_recv_blocks;  // cap of every receive grid (>= 1)
+  bool pdl;                  // launch with programmatic dependent launch (sm_90+)
 };
 
+// ---- send (kernels_send.cu) ----------------------------------------------------------------
+// One-thread begin of a call whose ticket the host needs first (copy-engine path) or that
+// has no send kernel (abort: also publishes kAbortCount flags to every rank).
 void launch_begin_call(const KernelContext& k, CallTicket* ticket, uint32_t op, int family,
                        bool abort, cudaStream_t stream);
 
-// x [T, H] 16-bit, topk_ids/weights [T, topk]; qbuf: per-token fp8 staging (fp8 payload);
-// send_token [world * max_tokens], send_count [world] (outputs). Destinations in pack_mask
-// (bit d) are written to pack [world * max_tokens slots] instead and get no flag: the
-// copy-engine path moves them (pack may be null when pack_mask is 0).
-void launch_dispatch_send(const KernelContext& k, const CallTicket* ticket, const void* x,
-                          int32_t num_tokens, const int32_t* topk_ids, const float* topk_weights,
-                          int32_t topk, uint8_t* qbuf, int32_t* send_token, int32_t* send_count,
-                          uint8_t* pack, uint64_t pack_mask, cudaStream_t stream);
+// x [T, H] 16-bit, topk_ids [T, topk] int32 or int64 (ids64), weights fp32 [T, topk];
+// send_token [world * max_tokens], send_count [world] (outputs). begin: this kernel begins
+// the call (writes *ticket); else *ticket was begun already. Ids outside [-1, E) and
+// repeated ids of one token are skipped and recorded as kBadInput. Destinations in
+// pack_mask (bit d) are written to pack [world * max_tokens slots] instead and get no flag:
+// the copy-engine path moves them (pack may be null when pack_mask is 0).
+void launch_dispatch_send(const KernelContext& k, CallTicket* ticket, bool begin, uint32_t op,
+                          const void* x, int32_t num_tokens, const void* topk_ids, bool ids64,
+                          const float* topk_weights, int32_t topk, int32_t* send_token,
+                          int32_t* send_count, uint8_t* pack, uint64_t pack_mask,
+                          cudaStream_t stream);
 
 // Copy-engine path: rows per destination rank (counts [world], zeroed first), and the flag
-// of one destination after its copy (host-known call number and count).
-void launch_count_destinations(const KernelContext& k, const int32_t* topk_ids, int32_t num_tokens,
-                               int32_t topk, int32_t* counts, cudaStream_t stream);
+// of one destination after its copy when stream memory operations are unavailable.
+void launch_count_destinations(const KernelContext& k, const void* topk_ids, bool ids64,
+                               int32_t num_tokens, int32_t topk, int32_t* counts,
+                               cudaStream_t stream);
 void launch_publish_one(const KernelContext& k, uint32_t seq, uint32_t op, int32_t dest,
                         uint32_t count, cudaStream_t stream);
 
+// ---- receive (kernels_recv.cu) -------------------------------------------------------------
 // tolerate_aborts: this rank aborts the call and only waits for every flag to arrive.
 void launch_wait_counts(const KernelContext& k, const CallTicket* ticket, int32_t* counts,
                         uint64_t timeout_ns, bool tolerate_aborts, cudaStream_t stream);
 
-// wait == true: the kernel acquires each source's flag itself and writes counts[s]
-// (low-latency); row_base may be null (row (s, j) -> s * max_tokens + j), and rows past
-// the count get topk_ids -1, weights 0, src -1. wait == false: counts[] come from
-// launch_wait_counts and row_base is the compacted layout (normal mode).
+// wait == true: the pollers acquire each source's flag and write counts[s] (low latency);
+// row_base may be null (row (s, j) -> s * max_tokens + j), and rows past the count get
+// topk_ids -1, weights 0, src -1; rows of staged sources are drained as they arrive.
+// wait == false: counts[] come from launch_wait_counts and row_base is the compacted
+// layout (normal mode). expert_count[E_local] is written (no zeroing needed).
 void launch_unpack_rows(const KernelContext& k, const CallTicket* ticket, bool wait,
                         int32_t* counts, const int64_t* row_base, void* x_out, uint8_t* fp8_out,
                         float* scales_out, int32_t* src_rank, int32_t* src_token, int32_t* topk_ids,
                         float* topk_weights, int32_t* expert_count, uint64_t timeout_ns,
                         cudaStream_t stream);
 
-// cnt_ws: [E_local, world] int32 workspace.
+// Expert-major [E_local, world * max_tokens, H], one kernel; every output is written
+// whole (src_info is -1 past each expert's count).
 void launch_unpack_expert_major(const KernelContext& k, const CallTicket* ticket,
-                                int32_t* recv_count, int32_t* cnt_ws, void* x_out, uint8_t* fp8_out,
+                                int32_t* recv_count, void* x_out, uint8_t* fp8_out,
                                 float* scales_out, int32_t* expert_count, int32_t* src_info,
                                 int64_t* layout_range, int32_t* expert_pos, int32_t* row_experts,
                                 float* row_weights, uint64_t timeout_ns, cudaStream_t stream);
 
+// ---- combine (kernels_combine.cu) ----------------------------------------------------------
 // Rows layout: y [*, H], row (s, j) = y[row_base[s] + j] (row_base null: s * max_tokens).
 // Expert-major (expert_pos != null): y [E_local, world * max_tokens, H] unweighted.
-// Sources in ce_mask are skipped (rows and flag): the copy-engine path serves them.
-void launch_combine_send(const KernelContext& k, const CallTicket* ticket, const void* y,
-                         const int32_t* recv_count, const int64_t* row_base,
+// begin: as in launch_dispatch_send. Sources in ce_mask are skipped (rows and flag): the
+// copy-engine path serves them.
+void launch_combine_send(const KernelContext& k, CallTicket* ticket, bool begin, uint32_t op,
+                         const void* y, const int32_t* recv_count, const int64_t* row_base,
                          const int32_t* expert_pos, const int32_t* row_experts,
                          const float* row_weights, uint64_t ce_mask, cudaStream_t stream);
 
@@ -104,5 +119,27 @@ void launch_reduce_rows(const KernelContext& k, const void* y, const int32_t* re
 void launch_combine_recv(const KernelContext& k, const CallTicket* ticket,
                          const int32_t* send_token, const int32_t* send_count, int32_t num_tokens,
                          void* out, uint64_t timeout_ns, cudaStream_t stream);
+
+// ---- control (kernels_control.cu) ----------------------------------------------------------
+// The bootstrap check that P2P *works* (not only that CUDA reports it): every rank writes
+// a pattern into the probe line of each peer's segment header, through the same pointer
+// and with the same fence + release as rows and flags; every rank then polls its own
+// probe lines until `nonce` arrives (deadline timeout_ns) and compares the pattern.
+// status[s]: 0 ok, 1 nothing arrived, 2 the bytes differ (status[rank] = 0).
+void launch_probe_send(const KernelContext& k, uint64_t nonce, cudaStream_t stream);
+void launch_probe_recv(const KernelContext& k, uint64_t nonce, uint64_t timeout_ns, int32_t* status,
+                       cudaStream_t stream);
+
+// Close, phase 1: after this rank's last write, release-stores `mark` into the close line
+// of every peer's segment header (the peer may free its memory once every mark is there).
+void launch_close_mark(const KernelContext& k, uint64_t mark, cudaStream_t stream);
+
+// Loads every kernel of the transport now (cudaFuncGetAttributes on each), so that lazy
+// module loading (CUDA_MODULE_LOADING=LAZY, the default) never happens in the middle of a
+// call while peers' kernels spin on this GPU. Throws naming the kernel that failed.
+void load_transport_kernels();
+void load_send_kernels();
+void load_recv_kernels();
+void load_combine_kernels();
 
 }  // namespace pa2a::cuda

@@ -44,6 +44,35 @@ __device__ __forceinline__ void st_relaxed_sys(uint64_t* p, uint64_t v) {
   asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
+// GPU-scope acquire/release: what only this GPU's blocks share (the pollers' mirrors of the
+// flags, in this rank's own device memory). Cheaper than .sys: no wait for the system.
+__device__ __forceinline__ uint64_t ld_acquire_gpu(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void st_release_gpu(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+// Programmatic dependent launch (sm_90 and newer; no-ops before). The launch attribute
+// (launch.cuh) lets the next kernel of the stream be scheduled before this one ends; every
+// kernel of the transport calls griddep_wait() before it touches memory, which waits until
+// the previous grid has completed and its writes are visible, so PDL hides only the launch
+// latency and never reorders memory. griddep_launch_dependents() allows that scheduling.
+__device__ __forceinline__ void griddep_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void griddep_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // Orders this thread's earlier stores (rows pushed across PCIe) before its later ones
 // (the arrival count, then the flag) at system scope. A release store alone orders only
 // the issuing thread; rows are written by many threads, so each fences before the block

@@ -78,6 +78,18 @@ struct alignas(16) uint4 {
 struct alignas(16) float4 {
   float x, y, z, w;
 };
+struct alignas(8) int2 {
+  int x, y;
+};
+struct alignas(8) uint2 {
+  unsigned x, y;
+};
+inline int2 make_int2(int x, int y) {
+  return int2{x, y};
+}
+inline uint2 make_uint2(unsigned x, unsigned y) {
+  return uint2{x, y};
+}
 inline int4 make_int4(int x, int y, int z, int w) {
   return int4{x, y, z, w};
 }
@@ -480,6 +492,14 @@ inline int __syncthreads_or(int pred) {
 inline void __syncwarp(unsigned mask = 0xffffffffu) {
   emu::warp_exchange(mask, 0, "__syncwarp");
 }
+// sm_80's warp reduction: every lane gets the maximum of the 32 lanes' values.
+inline unsigned __reduce_max_sync(unsigned mask, unsigned value) {
+  const uint64_t* v = emu::warp_exchange(mask, value, "__reduce_max_sync");
+  unsigned m = 0;
+  for (unsigned l = 0; l < 32; ++l)
+    m = static_cast<unsigned>(v[l]) > m ? static_cast<unsigned>(v[l]) : m;
+  return m;
+}
 inline unsigned __ballot_sync(unsigned mask, int pred) {
   const uint64_t* v = emu::warp_exchange(mask, pred != 0, "__ballot_sync");
   unsigned bits = 0;
@@ -517,6 +537,11 @@ inline unsigned atomicAdd(unsigned* p, unsigned v) {
 }
 inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) {
   return emu_atomic_add(p, v, "atomicAdd(unsigned long long)");
+}
+inline int atomicExch(int* p, int v) {
+  if (reinterpret_cast<uintptr_t>(p) % sizeof(int) != 0)
+    emu::fail("atomicExch on a misaligned address");
+  return __atomic_exchange_n(p, v, __ATOMIC_SEQ_CST);
 }
 inline float atomicAdd(float* p, float v) {  // one process at a time uses these (INT4)
   emu::check_global(p, 4, "atomicAdd(float)");

@@ -1,7 +1,11 @@
 // Runs the CUDA transport (csrc/cuda/transport: the kernels *and* class CudaTransport) on the
 // CPU: W rank processes, forked from this one, share a device arena (tests/native/emu/
 // emu_runtime.h) the way ranks on one GPU share device memory through CUDA IPC, and map
-// each other's host staging segments through real POSIX shared memory.
+// each other's host staging segments through real POSIX shared memory. With `inprocess 1`
+// the W transports live in this one process instead (open_local: the tables take each
+// other's pointers, no IPC), each with its own stream, and the calls of all ranks are
+// issued phase by phase (every send, then every receive), as the in-process GPU harness
+// (tests/test_cuda_inprocess.py) issues them.
 //
 //   transport_emu DIR
 //
@@ -12,23 +16,33 @@
 //   local_experts v.. (W)                       num_local_experts per rank
 //   send R v.. (W)                              rank R's pair plan: 0 P2P, 1 staged
 //   order R v.. (W)                             rank R's send order
+//   options INPROCESS MAX_RECV_BLOCKS PROBE_MS CLOSE_MS
 //   step I KIND WHO CE_DISPATCH CE_COMBINE RAW TIMEOUT_MS
 //   shape I R T TOPK                            rank R's tokens in step I
-// KIND: ll_rows | ll_em | normal | abort | abort_combine | abort_silent | skip | mismatch |
-// count_mismatch.
+// KIND: ll_rows | ll_em | graph_rows | graph_em | normal | abort | abort_combine |
+// abort_silent | skip | only0 | mismatch | count_mismatch | bad_ids | exit.
 // CE_*: copy-engine min_bytes of the normal mode's dispatch / combine (-1: warp stores
-// only). RAW: unpack fp8 rows as raw bytes and scales. WHO: the rank that aborts, skips
-// or calls another op (abort_silent: the last rank never calls).
-// Inputs: DIR/s<I>.r<R>.{x,ids,w,y} (raw bytes; y: the combine input, from the reference).
+// only). RAW: unpack fp8 rows as raw bytes and scales. WHO: the rank that aborts, skips,
+// calls another op, passes bad ids (its transport reports them at the end of the step, as
+// the Buffer's next call does) or exits without closing (abort_silent: the last rank never
+// calls).
+// graph_*: the first such step of a run captures the low-latency dispatch (send + receive)
+// and combine (send + receive) of its shapes in two CUDA graphs; every graph_* step copies
+// its inputs into the captured buffers and launches the graphs.
+// Inputs: DIR/s<I>.r<R>.{x,ids,w,y} (raw bytes; y: the combine input, from the reference;
+// ids64: int64 ids instead of x's int32 ids file when present).
 // Outputs: DIR/s<I>.r<R>.<buffer> and DIR/s<I>.r<R>.txt ("error KIND MESSAGE", "ce_dispatch
-// MASK", "ce_combine MASK", "elapsed_ms N", "slots DISPATCH COMBINE"). Exit status: 0, or
-// the first failing rank's (1 unexpected exception, 2 bad input files or a failed CUDA call
-// of the driver, 3 emulation fault, 4 resources left after close()), when one fails the
+// MASK", "ce_combine MASK", "ce_flag PATH", "elapsed_ms N", "slots DISPATCH COMBINE",
+// "counts HALF LAUNCHES SYNCS PDL", "stats CALLS FAMILY ROWS.."), DIR/r<R>.txt ("probe
+// STATUS..", "close OK|LEAKED"). Exit status: 0, or the first failing rank's (1 unexpected
+// exception, 2 bad input files or a failed CUDA call of the driver, 3 emulation fault, 4
+// resources left after close() beyond a leaked segment it reported), when one fails the
 // others are killed; 5 when a host segment was still linked after every rank closed.
 //
 // Each step issues exactly the CudaTransport calls that pcie_a2a.cuda_backend makes for it
-// (tickets are 16-byte device buffers, one stream per rank); no barrier separates steps,
-// so ranks run ahead of each other as far as the protocol lets them.
+// (tickets are 16-byte device buffers, one stream per rank); no barrier separates steps
+// or precedes close() (its two phases synchronise the ranks), so ranks run ahead of each
+// other as far as the protocol lets them.
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
@@ -38,6 +52,7 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -48,6 +63,8 @@
 namespace pc = pa2a::cuda;
 
 namespace {
+
+constexpr uint64_t kNonce = 0x5eed1234abcd0001ull;
 
 struct Step {
   int idx = 0;
@@ -65,6 +82,9 @@ struct Case {
   std::vector<int32_t> offset, replica_rank, replica_local, local;
   std::vector<std::vector<int32_t>> send, order;
   std::vector<Step> steps;
+  bool inprocess = false;
+  int32_t max_recv_blocks = 0;
+  double probe_s = 5.0, close_s = 30.0;
 };
 
 std::string g_dir;
@@ -107,6 +127,13 @@ Case read_case() {
       int r;
       in >> r;
       (key == "send" ? c.send : c.order).at(r) = read_ints(in, w);
+    } else if (key == "options") {
+      int inproc;
+      double probe_ms, close_ms;
+      in >> inproc >> c.max_recv_blocks >> probe_ms >> close_ms;
+      c.inprocess = inproc != 0;
+      c.probe_s = probe_ms / 1000.0;
+      c.close_s = close_ms / 1000.0;
     } else if (key == "step") {
       Step s;
       int raw;
@@ -169,24 +196,33 @@ struct Dev {
     return static_cast<T*>(p);
   }
 };
+using DevP = std::unique_ptr<Dev>;
 
 std::string path(const Step& s, int r, const std::string& name) {
   return g_dir + "/s" + std::to_string(s.idx) + ".r" + std::to_string(r) + "." + name;
 }
 
-// A device buffer holding the input file (which must have `bytes` bytes).
-std::unique_ptr<Dev> upload(const Step& s, int r, const std::string& name, size_t bytes) {
-  std::ifstream in(path(s, r, name), std::ios::binary | std::ios::ate);
-  if (!in) die("missing input " + path(s, r, name));
+std::string read_file(const std::string& p, size_t bytes) {
+  std::ifstream in(p, std::ios::binary | std::ios::ate);
+  if (!in) die("missing input " + p);
   const size_t n = static_cast<size_t>(in.tellg());
   if (n != bytes)
-    die(path(s, r, name) + " has " + std::to_string(n) + " bytes, expected " +
-        std::to_string(bytes));
+    die(p + " has " + std::to_string(n) + " bytes, expected " + std::to_string(bytes));
   std::string host(n, '\0');
   in.seekg(0);
   in.read(host.data(), static_cast<std::streamsize>(n));
+  return host;
+}
+
+// Copies the input file (which must have d.n bytes) into a device buffer.
+void upload_into(const Step& s, int r, const std::string& name, const Dev& d) {
+  const std::string host = read_file(path(s, r, name), d.n);
+  cuda_ok(cudaMemcpy(d.p, host.data(), d.n, cudaMemcpyHostToDevice), "upload");
+}
+
+DevP upload(const Step& s, int r, const std::string& name, size_t bytes) {
   auto d = std::make_unique<Dev>(bytes);
-  cuda_ok(cudaMemcpy(d->p, host.data(), n, cudaMemcpyHostToDevice), "upload");
+  upload_into(s, r, name, *d);
   return d;
 }
 
@@ -207,30 +243,85 @@ std::vector<int32_t> to_host(const Dev& d, size_t n) {
   return v;
 }
 
+bool file_exists(const std::string& p) {
+  std::ifstream in(p);
+  return static_cast<bool>(in);
+}
+
+// What the device counted between two points (launches, host synchronisations, PDL).
+struct Counter {
+  emu_rt::Counts start = emu_rt::st.counts;
+  std::string line(const char* half) const {
+    const emu_rt::Counts& now = emu_rt::st.counts;
+    return std::string("counts ") + half + " " + std::to_string(now.launches - start.launches) +
+           " " + std::to_string(now.syncs - start.syncs) + " " +
+           std::to_string(now.pdl_launches - start.pdl_launches) + "\n";
+  }
+};
+
 // ---- one rank ----------------------------------------------------------------------------
 class Rank {
  public:
   Rank(const Case& c, int r, pc::CudaTransport& tx, cudaStream_t stream)
       : c_(c), r_(r), tx_(tx), stream_(stream) {}
 
-  // Runs step s; returns false once the transport is broken (no further steps).
-  bool run(const Step& s) {
+  // The phases of step s (the caller runs them in order; the in-process driver runs phase
+  // p of every rank before phase p + 1 of any). A phase returns false once the transport
+  // is broken (no further phases or steps).
+  std::vector<std::function<void()>> phases(const Step& s) {
+    const std::string& k = s.kind;
+    if (k == "ll_rows" || k == "ll_em") return ll_phases(s, k == "ll_em");
+    if (k == "bad_ids") {  // ll_rows, and the error word is read after the step
+      auto p = ll_phases(s, false);
+      defer_check_ = r_ == s.who;
+      p.push_back([this] {
+        defer_check_ = false;
+        tx_.check();
+      });
+      return p;
+    }
+    if (k == "exit")
+      return {[this, &s] {
+        if (r_ == s.who) std::_Exit(0);  // gone without close(): no close mark
+      }};
+    if (k == "graph_rows" || k == "graph_em") return graph_phases(s, k == "graph_em");
+    if (k == "normal") return {[this, &s] { normal(s); }};
+    if (k == "abort") return {[this, &s] { abort(s); }};
+    if (k == "abort_combine") return {[this, &s] { abort_combine(s); }};
+    if (k == "skip") return {[this, &s] { skip(s, r_ == s.who); }};
+    if (k == "only0") return {[this, &s] { skip(s, r_ != 0); }};  // every other rank is silent
+    if (k == "mismatch") return {[this, &s] { mismatch(s); }};
+    if (k == "abort_silent") return {[this, &s] { abort_silent(s); }};
+    if (k == "count_mismatch") return {[this, &s] { count_mismatch(s); }};
+    die("unknown step kind " + k);
+  }
+
+  void begin(const Step& s) {
     log_.open(path(s, r_, "txt"));
     log_ << "slots " << tx_.layout().dispatch_slot << " " << tx_.layout().combine_slot << "\n";
-    const auto t0 = std::chrono::steady_clock::now();
-    bool go_on = true;
+    t0_ = std::chrono::steady_clock::now();
+    stop_ = false;
+  }
+  // Runs one phase; exceptions of the transport are the step's result.
+  void run(const std::function<void()>& phase) {
+    if (stop_) return;
     try {
-      go_on = dispatch_kind(s);
+      phase();
     } catch (const pa2a::Error& e) {
       log_ << "error " << static_cast<int>(e.kind()) << " " << e.what() << "\n";
-      go_on = e.kind() == pa2a::Error::Kind::kAborted;
+      stop_ = true;
+      broken_ = e.kind() != pa2a::Error::Kind::kAborted && e.kind() != pa2a::Error::Kind::kValue;
     }
-    const auto dt = std::chrono::steady_clock::now() - t0;
+  }
+  // false once the transport is broken.
+  bool end() {
+    const auto dt = std::chrono::steady_clock::now() - t0_;
     log_ << "elapsed_ms " << std::chrono::duration_cast<std::chrono::milliseconds>(dt).count()
          << "\n";
     log_.close();
-    return go_on;
+    return !broken_;
   }
+  void quit() { broken_ = true; }  // the step says this rank stops here
 
  private:
   int W() const { return c_.cfg.world; }
@@ -238,27 +329,16 @@ class Rank {
   int H() const { return c_.cfg.hidden; }
   int K() const { return c_.cfg.num_topk; }
   int E() const { return c_.local[r_]; }
-
-  bool dispatch_kind(const Step& s) {
-    if (s.kind == "ll_rows") return ll_rows(s);
-    if (s.kind == "ll_em") return ll_em(s);
-    if (s.kind == "normal") return normal(s);
-    if (s.kind == "abort") return abort(s);
-    if (s.kind == "abort_combine") return abort_combine(s);
-    if (s.kind == "skip") return skip(s);
-    if (s.kind == "mismatch") return mismatch(s);
-    if (s.kind == "abort_silent") return abort_silent(s);
-    if (s.kind == "count_mismatch") return count_mismatch(s);
-    die("unknown step kind " + s.kind);
-  }
+  size_t cap() const { return static_cast<size_t>(W()) * M(); }
 
   void sync_check() {
     cuda_ok(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
-    tx_.check();
+    if (!defer_check_) tx_.check();
   }
 
   struct Send {
-    std::unique_ptr<Dev> x, ids, w, send_token, send_count, ticket;
+    DevP x, ids, w, send_token, send_count, ticket;
+    bool ids64 = false;
     int T = 0, k = 0;
   };
 
@@ -268,23 +348,24 @@ class Rank {
     in.k = s.topk[r_];
     const size_t T = static_cast<size_t>(in.T), k = static_cast<size_t>(in.k);
     in.x = upload(s, r_, "x", T * H() * 2);
-    in.ids = upload(s, r_, "ids", T * k * 4);
+    in.ids64 = file_exists(path(s, r_, "ids64"));
+    in.ids = in.ids64 ? upload(s, r_, "ids64", T * k * 8) : upload(s, r_, "ids", T * k * 4);
     in.w = upload(s, r_, "w", T * k * 4);
-    in.send_token = std::make_unique<Dev>(static_cast<size_t>(W()) * M() * 4);
+    in.send_token = std::make_unique<Dev>(cap() * 4);
     in.send_count = std::make_unique<Dev>(static_cast<size_t>(W()) * 4);
-    in.ticket = std::make_unique<Dev>(sizeof(pc::CallTicket), 0);  // torch.zeros(4, int32)
+    in.ticket = std::make_unique<Dev>(sizeof(pc::CallTicket));  // torch.empty: the kernel writes it
     return in;
   }
 
   void send(Send& in, uint32_t op) {
-    tx_.dispatch_send(in.ticket->as<pc::CallTicket>(), op, in.x->p, in.T, in.ids->as<int32_t>(),
+    tx_.dispatch_send(in.ticket->as<pc::CallTicket>(), op, in.x->p, in.T, in.ids->p, in.ids64,
                       in.w->as<float>(), in.k, in.send_token->as<int32_t>(),
                       in.send_count->as<int32_t>(), stream_);
   }
 
   // Rows-layout outputs for `rows` rows.
   struct Rows {
-    std::unique_ptr<Dev> x, fp8, scales, src_rank, src_token, ids, ws, per_expert;
+    DevP x, fp8, scales, src_rank, src_token, ids, ws, per_expert;
   };
   Rows rows(size_t n, bool raw) {
     Rows o;
@@ -320,92 +401,220 @@ class Rank {
     dump(s, r_, "ws_o", *o.ws);
     dump(s, r_, "per_expert", *o.per_expert);
   }
-
-  // combine_recv into a fresh output; dumps it with the send-side tables.
-  void combine_recv(const Step& s, Send& in, const Dev& ticket) {
-    Dev out(static_cast<size_t>(in.T) * H() * 2);
-    tx_.combine_recv(ticket.as<pc::CallTicket>(), in.send_token->as<int32_t>(),
-                     in.send_count->as<int32_t>(), in.T, out.p, s.timeout_s, stream_);
-    sync_check();
-    dump(s, r_, "out", out);
+  void dump_send_side(const Step& s, Send& in) {
     dump(s, r_, "send_count", *in.send_count);
     dump(s, r_, "send_token", *in.send_token);
   }
-
-  // Low-latency rows: dispatch_send_async, recv_rows_async (the kernel waits), then
-  // combine_send_async / combine_recv_async of y [world * max_tokens, H].
-  bool ll_rows(const Step& s) {
-    Send in = inputs(s);
-    const size_t cap = static_cast<size_t>(W()) * M();
-    Dev counts(static_cast<size_t>(W()) * 4);
-    Rows o = rows(cap, s.raw);
-    send(in, 3);
-    unpack(s, in, true, counts, nullptr, o);
-    sync_check();
-    dump(s, r_, "counts", counts);
-    dump_rows(s, o);
-    auto y = upload(s, r_, "y", cap * H() * 2);
-    Dev tc(sizeof(pc::CallTicket), 0);
-    tx_.combine_send(tc.as<pc::CallTicket>(), 4, y->p, counts.as<int32_t>(), nullptr, nullptr,
-                     nullptr, nullptr, stream_);
-    combine_recv(s, in, tc);
-    return true;
+  void log_stats() {
+    const pc::TransportStats st = tx_.stats();
+    log_ << "stats " << st.calls << " " << st.last_family;
+    for (const uint32_t n : st.last_rows) log_ << " " << n;
+    log_ << "\n";
   }
 
-  // Low-latency expert-major: recv_expert_major_async, the pre-reduction alone
-  // (reduce_expert_major) and fused into combine_send_async.
-  bool ll_em(const Step& s) {
-    Send in = inputs(s);
-    const size_t cap = static_cast<size_t>(W()) * M(), E = static_cast<size_t>(this->E());
-    const size_t H = static_cast<size_t>(this->H()), K = static_cast<size_t>(this->K());
-    Dev counts(static_cast<size_t>(W()) * 4);
-    std::unique_ptr<Dev> xo, fp8, scales;
-    if (s.raw) {
-      fp8 = std::make_unique<Dev>(E * cap * H);
-      scales = std::make_unique<Dev>(E * cap * (H / 128) * 4);
+  // Expert-major outputs.
+  struct Em {
+    DevP xo, fp8, scales, per_expert, src_info, layout_range, expert_pos, row_experts, row_weights;
+  };
+  Em em_outputs(bool raw) {
+    Em o;
+    const size_t E = static_cast<size_t>(this->E()), H = static_cast<size_t>(this->H());
+    const size_t K = static_cast<size_t>(this->K());
+    if (raw) {
+      o.fp8 = std::make_unique<Dev>(E * cap() * H);
+      o.scales = std::make_unique<Dev>(E * cap() * (H / 128) * 4);
     } else {
-      xo = std::make_unique<Dev>(E * cap * H * 2);
+      o.xo = std::make_unique<Dev>(E * cap() * H * 2);
     }
-    Dev per_expert(E * 4), src_info(E * cap * 4), layout_range(E * W() * 8);
-    Dev expert_pos(cap * K * 4), row_experts(cap * K * 4), row_weights(cap * K * 4);
-    send(in, 3);
+    o.per_expert = std::make_unique<Dev>(E * 4);
+    o.src_info = std::make_unique<Dev>(E * cap() * 4);
+    o.layout_range = std::make_unique<Dev>(E * W() * 8);
+    o.expert_pos = std::make_unique<Dev>(cap() * K * 4);
+    o.row_experts = std::make_unique<Dev>(cap() * K * 4);
+    o.row_weights = std::make_unique<Dev>(cap() * K * 4);
+    return o;
+  }
+  void em_unpack(const Step& s, Send& in, const Dev& counts, Em& o) {
     tx_.unpack_expert_major(in.ticket->as<pc::CallTicket>(), counts.as<int32_t>(),
-                            xo ? xo->p : nullptr, fp8 ? fp8->as<uint8_t>() : nullptr,
-                            scales ? scales->as<float>() : nullptr, per_expert.as<int32_t>(),
-                            src_info.as<int32_t>(), layout_range.as<int64_t>(),
-                            expert_pos.as<int32_t>(), row_experts.as<int32_t>(),
-                            row_weights.as<float>(), s.timeout_s, stream_);
-    sync_check();
-    dump(s, r_, "counts", counts);
-    if (xo) dump(s, r_, "xo", *xo);
-    if (fp8) dump(s, r_, "fp8", *fp8);
-    if (scales) dump(s, r_, "scales", *scales);
-    dump(s, r_, "per_expert", per_expert);
-    dump(s, r_, "src_info", src_info);
-    dump(s, r_, "layout_range", layout_range);
-    dump(s, r_, "expert_pos", expert_pos);
-    dump(s, r_, "row_experts", row_experts);
-    dump(s, r_, "row_weights", row_weights);
-    auto y = upload(s, r_, "y", E * cap * H * 2);
-    Dev reduced(cap * H * 2);
-    tx_.reduce_expert_major(y->p, counts.as<int32_t>(), expert_pos.as<int32_t>(),
-                            row_experts.as<int32_t>(), row_weights.as<float>(), reduced.p, stream_);
-    sync_check();
-    dump(s, r_, "reduced", reduced);
-    Dev tc(sizeof(pc::CallTicket), 0);
-    tx_.combine_send(tc.as<pc::CallTicket>(), 4, y->p, counts.as<int32_t>(), nullptr,
-                     expert_pos.as<int32_t>(), row_experts.as<int32_t>(), row_weights.as<float>(),
-                     stream_);
-    combine_recv(s, in, tc);
-    return true;
+                            o.xo ? o.xo->p : nullptr, o.fp8 ? o.fp8->as<uint8_t>() : nullptr,
+                            o.scales ? o.scales->as<float>() : nullptr, o.per_expert->as<int32_t>(),
+                            o.src_info->as<int32_t>(), o.layout_range->as<int64_t>(),
+                            o.expert_pos->as<int32_t>(), o.row_experts->as<int32_t>(),
+                            o.row_weights->as<float>(), s.timeout_s, stream_);
+  }
+  void dump_em(const Step& s, const Em& o) {
+    if (o.xo) dump(s, r_, "xo", *o.xo);
+    if (o.fp8) dump(s, r_, "fp8", *o.fp8);
+    if (o.scales) dump(s, r_, "scales", *o.scales);
+    dump(s, r_, "per_expert", *o.per_expert);
+    dump(s, r_, "src_info", *o.src_info);
+    dump(s, r_, "layout_range", *o.layout_range);
+    dump(s, r_, "expert_pos", *o.expert_pos);
+    dump(s, r_, "row_experts", *o.row_experts);
+    dump(s, r_, "row_weights", *o.row_weights);
+  }
+  void em_combine_send(const Dev& ticket, const Dev& y, const Dev& counts, const Em& o) {
+    tx_.combine_send(ticket.as<pc::CallTicket>(), 4, y.p, counts.as<int32_t>(), nullptr,
+                     o.expert_pos->as<int32_t>(), o.row_experts->as<int32_t>(),
+                     o.row_weights->as<float>(), stream_);
+  }
+
+  // ---- low latency: exactly Buffer.low_latency_dispatch / low_latency_combine on the CUDA
+  // backend (rows: dispatch_send + unpack_rows(wait); expert-major: dispatch_send +
+  // unpack_expert_major; combine: combine_send (+ the fused pre-reduction) + combine_recv),
+  // counted; the expert-major step also runs the pre-reduction alone (reduce_expert_major)
+  // and checks it, outside the counts.
+  struct Ll {
+    Send in;
+    DevP counts, y, tc, out, reduced;
+    Rows o;
+    Em em;
+    Counter count;
+  };
+  std::vector<std::function<void()>> ll_phases(const Step& s, bool em) {
+    auto st = std::make_shared<Ll>();
+    return {
+        [this, &s, st, em] {  // send
+          st->in = inputs(s);
+          st->counts = std::make_unique<Dev>(static_cast<size_t>(W()) * 4);
+          if (em)
+            st->em = em_outputs(s.raw);
+          else
+            st->o = rows(cap(), s.raw);
+          st->count = Counter();
+          send(st->in, 3);
+        },
+        [this, &s, st, em] {  // receive
+          if (em)
+            em_unpack(s, st->in, *st->counts, st->em);
+          else
+            unpack(s, st->in, true, *st->counts, nullptr, st->o);
+          log_ << st->count.line("dispatch");
+          sync_check();
+          dump(s, r_, "counts", *st->counts);
+          if (em)
+            dump_em(s, st->em);
+          else
+            dump_rows(s, st->o);
+          const size_t y_rows = em ? static_cast<size_t>(E()) * cap() : cap();
+          st->y = upload(s, r_, "y", y_rows * H() * 2);
+          if (em) {
+            st->reduced = std::make_unique<Dev>(cap() * H() * 2);
+            tx_.reduce_expert_major(st->y->p, st->counts->as<int32_t>(),
+                                    st->em.expert_pos->as<int32_t>(),
+                                    st->em.row_experts->as<int32_t>(),
+                                    st->em.row_weights->as<float>(), st->reduced->p, stream_);
+            sync_check();
+            dump(s, r_, "reduced", *st->reduced);
+          }
+        },
+        [this, st, em] {  // combine send
+          st->tc = std::make_unique<Dev>(sizeof(pc::CallTicket));
+          st->out = std::make_unique<Dev>(static_cast<size_t>(st->in.T) * H() * 2 + 16);
+          st->count = Counter();
+          if (em)
+            em_combine_send(*st->tc, *st->y, *st->counts, st->em);
+          else
+            tx_.combine_send(st->tc->as<pc::CallTicket>(), 4, st->y->p, st->counts->as<int32_t>(),
+                             nullptr, nullptr, nullptr, nullptr, stream_);
+        },
+        [this, &s, st] {  // combine receive
+          tx_.combine_recv(st->tc->as<pc::CallTicket>(), st->in.send_token->as<int32_t>(),
+                           st->in.send_count->as<int32_t>(), st->in.T, st->out->p, s.timeout_s,
+                           stream_);
+          log_ << st->count.line("combine");
+          sync_check();
+          dump(s, r_, "out", st->out->p, static_cast<size_t>(st->in.T) * H() * 2);
+          dump_send_side(s, st->in);
+          log_stats();
+        },
+    };
+  }
+
+  // ---- the same, captured once in two graphs (dispatch, combine) and replayed per step
+  struct Graphs {
+    Ll ll;
+    cudaGraphExec_t dispatch = nullptr, combine = nullptr;
+    ~Graphs() {
+      if (dispatch != nullptr) cuda_ok(cudaGraphExecDestroy(dispatch), "cudaGraphExecDestroy");
+      if (combine != nullptr) cuda_ok(cudaGraphExecDestroy(combine), "cudaGraphExecDestroy");
+    }
+  };
+  template <typename F>
+  cudaGraphExec_t capture(F&& issue) {
+    cudaGraph_t g;
+    cuda_ok(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal), "begin capture");
+    issue();
+    cuda_ok(cudaStreamEndCapture(stream_, &g), "end capture");
+    cudaGraphExec_t exec;
+    cuda_ok(cudaGraphInstantiate(&exec, g, 0), "instantiate");
+    cuda_ok(cudaGraphDestroy(g), "graph destroy");
+    return exec;
+  }
+  std::vector<std::function<void()>> graph_phases(const Step& s, bool em) {
+    return {
+        [this, &s, em] {
+          if (!graphs_) {  // capture with this step's shapes; inputs are copied in below
+            graphs_ = std::make_unique<Graphs>();
+            Ll& ll = graphs_->ll;
+            ll.in = inputs(s);
+            ll.counts = std::make_unique<Dev>(static_cast<size_t>(W()) * 4);
+            if (em)
+              ll.em = em_outputs(s.raw);
+            else
+              ll.o = rows(cap(), s.raw);
+            const size_t y_rows = em ? static_cast<size_t>(E()) * cap() : cap();
+            ll.y = std::make_unique<Dev>(y_rows * H() * 2);
+            ll.tc = std::make_unique<Dev>(sizeof(pc::CallTicket));
+            ll.out = std::make_unique<Dev>(static_cast<size_t>(ll.in.T) * H() * 2 + 16);
+            graphs_->dispatch = capture([&] {
+              send(ll.in, 3);
+              if (em)
+                em_unpack(s, ll.in, *ll.counts, ll.em);
+              else
+                unpack(s, ll.in, true, *ll.counts, nullptr, ll.o);
+            });
+            graphs_->combine = capture([&] {
+              if (em)
+                em_combine_send(*ll.tc, *ll.y, *ll.counts, ll.em);
+              else
+                tx_.combine_send(ll.tc->as<pc::CallTicket>(), 4, ll.y->p, ll.counts->as<int32_t>(),
+                                 nullptr, nullptr, nullptr, nullptr, stream_);
+              tx_.combine_recv(ll.tc->as<pc::CallTicket>(), ll.in.send_token->as<int32_t>(),
+                               ll.in.send_count->as<int32_t>(), ll.in.T, ll.out->p, s.timeout_s,
+                               stream_);
+            });
+          }
+          Ll& ll = graphs_->ll;
+          upload_into(s, r_, "x", *ll.in.x);
+          upload_into(s, r_, ll.in.ids64 ? "ids64" : "ids", *ll.in.ids);
+          upload_into(s, r_, "w", *ll.in.w);
+          const Counter count;
+          cuda_ok(cudaGraphLaunch(graphs_->dispatch, stream_), "graph launch");
+          log_ << count.line("dispatch");
+          sync_check();
+          dump(s, r_, "counts", *ll.counts);
+          if (em)
+            dump_em(s, ll.em);
+          else
+            dump_rows(s, ll.o);
+          upload_into(s, r_, "y", *ll.y);
+          const Counter count2;
+          cuda_ok(cudaGraphLaunch(graphs_->combine, stream_), "graph launch");
+          log_ << count2.line("combine");
+          sync_check();
+          dump(s, r_, "out", ll.out->p, static_cast<size_t>(ll.in.T) * H() * 2);
+          dump_send_side(s, ll.in);
+        },
+    };
   }
 
   // Normal mode as cuda_backend's dispatch_send / wait / unpack_rows / combine_send /
   // combine_recv: host counts, compacted rows, optionally the copy-engine path.
-  bool normal(const Step& s) {
+  void normal(const Step& s) {
     Send in = inputs(s);
     if (s.ce_dispatch >= 0) {
-      tx_.dispatch_send_ce(in.ticket->as<pc::CallTicket>(), 1, in.x->p, in.T, in.ids->as<int32_t>(),
+      tx_.dispatch_send_ce(in.ticket->as<pc::CallTicket>(), 1, in.x->p, in.T, in.ids->p, in.ids64,
                            in.w->as<float>(), in.k, in.send_token->as<int32_t>(),
                            in.send_count->as<int32_t>(), static_cast<uint64_t>(s.ce_dispatch),
                            stream_);
@@ -430,7 +639,7 @@ class Rank {
     dump(s, r_, "counts", counts);
     dump_rows(s, o);
     auto y = upload(s, r_, "y", total * H() * 2);
-    Dev tc(sizeof(pc::CallTicket), 0);
+    Dev tc(sizeof(pc::CallTicket));
     if (s.ce_combine >= 0) {
       tx_.combine_send_ce(tc.as<pc::CallTicket>(), 2, y->p, counts.as<int32_t>(),
                           row_base.as<int64_t>(), host, base, static_cast<uint64_t>(s.ce_combine),
@@ -440,26 +649,30 @@ class Rank {
       tx_.combine_send(tc.as<pc::CallTicket>(), 2, y->p, counts.as<int32_t>(),
                        row_base.as<int64_t>(), nullptr, nullptr, nullptr, stream_);
     }
-    combine_recv(s, in, tc);
-    return true;
+    if (s.ce_dispatch >= 0 || s.ce_combine >= 0) log_ << "ce_flag " << tx_.ce_flag_path() << "\n";
+    Dev out(static_cast<size_t>(in.T) * H() * 2 + 16);
+    tx_.combine_recv(tc.as<pc::CallTicket>(), in.send_token->as<int32_t>(),
+                     in.send_count->as<int32_t>(), in.T, out.p, s.timeout_s, stream_);
+    sync_check();
+    dump(s, r_, "out", out.p, static_cast<size_t>(in.T) * H() * 2);
+    dump_send_side(s, in);
   }
 
   // cuda_backend.abort: publish abort flags, then still receive the call (tolerant wait).
   void abort_call(const Step& s, uint32_t op, int family) {
-    Dev ticket(sizeof(pc::CallTicket), 0), counts(static_cast<size_t>(W()) * 4);
+    Dev ticket(sizeof(pc::CallTicket)), counts(static_cast<size_t>(W()) * 4);
     tx_.abort(ticket.as<pc::CallTicket>(), op, family, stream_);
     tx_.wait_counts(ticket.as<pc::CallTicket>(), counts.as<int32_t>(), s.timeout_s, true, stream_);
     sync_check();
   }
 
   // `who` aborts a normal dispatch; the others send and wait (and raise PeerAbortedError).
-  bool abort(const Step& s) {
+  void abort(const Step& s) {
     if (r_ == s.who) {
       abort_call(s, 1, 0);
-      return true;
+      return;
     }
     send_and_wait(s);
-    return true;
   }
 
   // A normal dispatch and the host-synchronising wait for every source's flag.
@@ -473,48 +686,49 @@ class Rank {
   }
 
   // `who` aborts a combine; the others return no rows (counts 0) and wait for theirs.
-  bool abort_combine(const Step& s) {
+  void abort_combine(const Step& s) {
     if (r_ == s.who) {
       abort_call(s, 2, 1);
-      return true;
+      return;
     }
     Dev y(16), zeros(static_cast<size_t>(W()) * 4, 0), send_token(static_cast<size_t>(W()) * 4);
-    Dev ticket(sizeof(pc::CallTicket), 0), out(16);
+    Dev ticket(sizeof(pc::CallTicket)), out(16);
     tx_.combine_send(ticket.as<pc::CallTicket>(), 2, y.p, zeros.as<int32_t>(), nullptr, nullptr,
                      nullptr, nullptr, stream_);
     tx_.combine_recv(ticket.as<pc::CallTicket>(), send_token.as<int32_t>(), zeros.as<int32_t>(), 0,
                      out.p, s.timeout_s, stream_);
     sync_check();
-    return true;
   }
 
-  // `who` never makes this call: the others' low-latency receive must time out naming it.
-  bool skip(const Step& s) {
-    if (r_ == s.who) return false;
+  // `silent` ranks never make this call: the others' low-latency receive must time out
+  // naming the first of them.
+  void skip(const Step& s, bool silent) {
+    quit();
+    if (silent) return;
     Send in = inputs(s);
     Dev counts(static_cast<size_t>(W()) * 4);
-    Rows o = rows(static_cast<size_t>(W()) * M(), false);
+    Rows o = rows(cap(), false);
     send(in, 3);
     unpack(s, in, true, counts, nullptr, o);
     sync_check();
-    return false;
   }
 
   // `who` aborts a dispatch while the last rank never makes it: every waiting rank must
   // time out naming the silent rank (an abort must not hide a peer that never came).
-  bool abort_silent(const Step& s) {
-    if (r_ == W() - 1) return false;
+  void abort_silent(const Step& s) {
+    quit();
+    if (r_ == W() - 1) return;
     if (r_ == s.who) {
       abort_call(s, 1, 0);
-      return false;
+      return;
     }
     send_and_wait(s);
-    return false;
   }
 
   // A normal dispatch, then `who` returns one row fewer than it received from the first
   // other rank that sent it any: that rank's combine_recv must report the mismatch.
-  bool count_mismatch(const Step& s) {
+  void count_mismatch(const Step& s) {
+    quit();
     Send in = inputs(s);
     send(in, 1);
     Dev counts(static_cast<size_t>(W()) * 4), row_base(static_cast<size_t>(W()) * 8);
@@ -537,24 +751,23 @@ class Rank {
                 "counts");
         break;
       }
-    Dev y(total * H() * 2, 0), tc(sizeof(pc::CallTicket), 0), out(in.T * H() * 2ul);
+    Dev y(total * H() * 2 + 16, 0), tc(sizeof(pc::CallTicket)), out(in.T * H() * 2ul + 16);
     tx_.combine_send(tc.as<pc::CallTicket>(), 2, y.p, counts.as<int32_t>(), row_base.as<int64_t>(),
                      nullptr, nullptr, nullptr, stream_);
     tx_.combine_recv(tc.as<pc::CallTicket>(), in.send_token->as<int32_t>(),
                      in.send_count->as<int32_t>(), in.T, out.p, s.timeout_s, stream_);
     sync_check();
-    return false;
   }
 
   // `who` makes a low-latency dispatch while the others make a normal one.
-  bool mismatch(const Step& s) {
+  void mismatch(const Step& s) {
+    quit();
     Send in = inputs(s);
     send(in, r_ == s.who ? 3 : 1);
     Dev counts(static_cast<size_t>(W()) * 4);
     tx_.wait_counts(in.ticket->as<pc::CallTicket>(), counts.as<int32_t>(), s.timeout_s, false,
                     stream_);
     sync_check();
-    return false;
   }
 
   const Case& c_;
@@ -562,39 +775,133 @@ class Rank {
   pc::CudaTransport& tx_;
   cudaStream_t stream_;
   std::ofstream log_;
+  std::chrono::steady_clock::time_point t0_;
+  bool stop_ = false, broken_ = false, defer_check_ = false;
+  std::unique_ptr<Graphs> graphs_;
 };
+
+std::vector<int32_t> recv_plan(const Case& c, int r) {
+  std::vector<int32_t> recv(c.cfg.world);
+  for (int s = 0; s < c.cfg.world; ++s) recv[s] = c.send[s][r];
+  return recv;
+}
+
+bool needs_host(const Case& c, int r) {
+  bool need = false;
+  for (int s = 0; s < c.cfg.world; ++s) need |= s != r && c.send[s][r] == 1;
+  return need;
+}
+
+void log_probe(int r, const std::vector<int32_t>& status) {
+  std::ofstream out(g_dir + "/r" + std::to_string(r) + ".txt", std::ios::app);
+  out << "probe";
+  for (const int32_t v : status) out << " " << v;
+  out << "\n";
+}
+
+void log_close(int r, bool ok) {
+  std::ofstream out(g_dir + "/r" + std::to_string(r) + ".txt", std::ios::app);
+  out << "close " << (ok ? "OK" : "LEAKED") << "\n";
+}
+
+// What a rank may still hold after close(): nothing, or (when it reported that a peer's
+// close mark never came) exactly its device segment. Returns an exit status.
+int check_leaks(int r, bool leaked, size_t segment_bytes) {
+  const std::string leaks = emu_rt::leak_report();
+  const std::string segment = "device allocation of " + std::to_string(segment_bytes) + " bytes; ";
+  if (leaks.empty() || (leaked && leaks == segment)) return 0;
+  std::fprintf(stderr, "rank %d: resources left after close(): %s\n", r, leaks.c_str());
+  return 4;
+}
 
 int run_rank(const Case& c, int r, const std::string& prefix) {
   const int W = c.cfg.world;
-  bool need_host = false;
-  for (int s = 0; s < W; ++s) need_host |= s != r && c.send[s][r] == 1;
   auto* scratch = static_cast<Scratch*>(emu_rt::scratch());
-  int status = 0;
+  bool leaked = false;
+  size_t segment_bytes = 0;
   {
-    pc::CudaTransport tx(prefix, r, c.cfg, 0, c.local[r], need_host, -1);
+    pc::CudaTransport tx(prefix, r, c.cfg, 0, c.local[r], needs_host(c, r), -1, c.max_recv_blocks);
+    segment_bytes = tx.segment_bytes();
     const std::string h = tx.ipc_handle();
     std::memcpy(scratch->handles[r], h.data(), 64);
     barrier(W);
     std::vector<std::string> handles(W);
     for (int s = 0; s < W; ++s) handles[s].assign(scratch->handles[s], 64);
-    std::vector<int32_t> recv(W);
-    for (int s = 0; s < W; ++s) recv[s] = c.send[s][r];
-    tx.open_peers(handles, c.send[r], recv, c.order[r]);
+    tx.open_peers(handles, c.send[r], recv_plan(c, r), c.order[r], kNonce);
     tx.set_placement(c.offset, c.replica_rank, c.replica_local);
+    const std::vector<int32_t> probe = tx.probe_peers(c.probe_s);
+    log_probe(r, probe);
+    bool ok = true;
+    for (const int32_t v : probe) ok = ok && v == 0;
     barrier(W);
     tx.unlink_own();
     cudaStream_t stream;
     cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
-    Rank rank(c, r, tx, stream);
-    for (const Step& s : c.steps)
-      if (!rank.run(s)) break;
-    barrier(W);  // peers stop writing into this rank's memory before it closes
-    tx.close();
+    {
+      Rank rank(c, r, tx, stream);
+      for (const Step& s : c.steps) {
+        if (!ok) break;
+        rank.begin(s);
+        for (const auto& phase : rank.phases(s)) rank.run(phase);
+        ok = rank.end();
+      }
+    }
+    tx.close_imports();
+    leaked = !tx.free_own(c.close_s);
+    log_close(r, !leaked);
     cuda_ok(cudaStreamDestroy(stream), "cudaStreamDestroy");
+  }
+  return check_leaks(r, leaked, segment_bytes);
+}
+
+// W transports in this process, phase by phase over the ranks.
+int run_inprocess(const Case& c, const std::string& prefix) {
+  const int W = c.cfg.world;
+  int status = 0;
+  {
+    std::vector<std::unique_ptr<pc::CudaTransport>> txs;
+    std::vector<pc::CudaTransport*> peers;
+    for (int r = 0; r < W; ++r) {
+      txs.push_back(std::make_unique<pc::CudaTransport>(prefix, r, c.cfg, 0, c.local[r],
+                                                        needs_host(c, r), -1, c.max_recv_blocks));
+      peers.push_back(txs.back().get());
+    }
+    for (int r = 0; r < W; ++r) {
+      txs[r]->open_local(peers, c.send[r], recv_plan(c, r), c.order[r], kNonce);
+      txs[r]->set_placement(c.offset, c.replica_rank, c.replica_local);
+      txs[r]->unlink_own();
+    }
+    std::vector<cudaStream_t> streams(W);
+    for (auto& s : streams)
+      cuda_ok(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
+    {
+      std::vector<std::unique_ptr<Rank>> ranks;
+      for (int r = 0; r < W; ++r)
+        ranks.push_back(std::make_unique<Rank>(c, r, *txs[r], streams[r]));
+      bool ok = true;
+      for (const Step& s : c.steps) {
+        if (!ok) break;
+        std::vector<std::vector<std::function<void()>>> phases;
+        for (int r = 0; r < W; ++r) {
+          ranks[r]->begin(s);
+          phases.push_back(ranks[r]->phases(s));
+        }
+        for (size_t p = 0; p < phases[0].size(); ++p)
+          for (int r = 0; r < W; ++r) ranks[r]->run(phases[r][p]);
+        for (int r = 0; r < W; ++r) ok = ranks[r]->end() && ok;
+      }
+    }
+    for (auto& t : txs) t->close_imports();
+    for (int r = 0; r < W; ++r) {
+      const bool ok = txs[r]->free_own(c.close_s);
+      log_close(r, ok);
+      if (!ok) status = 4;  // every mark is written in this process: nothing may be left
+    }
+    for (auto& s : streams) cuda_ok(cudaStreamDestroy(s), "cudaStreamDestroy");
   }
   const std::string leaks = emu_rt::leak_report();
   if (!leaks.empty()) {
-    std::fprintf(stderr, "rank %d: resources left after close(): %s\n", r, leaks.c_str());
+    std::fprintf(stderr, "in-process: resources left after close(): %s\n", leaks.c_str());
     status = 4;
   }
   return status;
@@ -613,43 +920,55 @@ int main(int argc, char** argv) {
   // Segment names carry this process's pid, as pcie_a2a's do (tests/conftest.py checks
   // that no segment outlives its creator).
   const std::string prefix = "pcie_a2a." + std::to_string(getpid()) + "_emu";
-  emu_rt::arena_create(W, c.region_bytes);
-  std::vector<pid_t> pids(W, -1);
-  for (int r = 0; r < W; ++r) {
-    std::fflush(nullptr);
-    const pid_t pid = fork();
-    if (pid < 0) die("fork failed");
-    if (pid == 0) {
-      prctl(PR_SET_PDEATHSIG, SIGKILL);
-      emu_rt::arena_enter(r, c.region_bytes);
-      int status = 1;
-      try {
-        status = run_rank(c, r, prefix);
-      } catch (const std::exception& e) {
-        std::fprintf(stderr, "rank %d: unexpected exception: %s\n", r, e.what());
-      }
-      std::fflush(nullptr);
-      std::_Exit(status);
+  int result = 0;
+  if (c.inprocess) {
+    emu_rt::arena_create(1, c.region_bytes * static_cast<size_t>(W));
+    emu_rt::arena_enter(0, c.region_bytes * static_cast<size_t>(W));
+    try {
+      result = run_inprocess(c, prefix);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "in-process: unexpected exception: %s\n", e.what());
+      result = 1;
     }
-    pids[r] = pid;
-  }
-  int result = 0, left = W;
-  while (left > 0) {
-    int st = 0;
-    const pid_t pid = wait(&st);
-    if (pid < 0) break;
-    --left;
-    int r = 0;
-    while (r < W && pids[r] != pid) ++r;
-    if (r == W) continue;
-    pids[r] = -1;
-    const int code = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-    if (code != 0 && result == 0) {
-      result = code;
-      std::fprintf(stderr, "transport_emu: rank %d failed with status %d; stopping the others\n", r,
-                   code);
-      for (const pid_t p : pids)
-        if (p > 0) kill(p, SIGKILL);
+  } else {
+    emu_rt::arena_create(W, c.region_bytes);
+    std::vector<pid_t> pids(W, -1);
+    for (int r = 0; r < W; ++r) {
+      std::fflush(nullptr);
+      const pid_t pid = fork();
+      if (pid < 0) die("fork failed");
+      if (pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL);
+        emu_rt::arena_enter(r, c.region_bytes);
+        int status = 1;
+        try {
+          status = run_rank(c, r, prefix);
+        } catch (const std::exception& e) {
+          std::fprintf(stderr, "rank %d: unexpected exception: %s\n", r, e.what());
+        }
+        std::fflush(nullptr);
+        std::_Exit(status);
+      }
+      pids[r] = pid;
+    }
+    int left = W;
+    while (left > 0) {
+      int st = 0;
+      const pid_t pid = wait(&st);
+      if (pid < 0) break;
+      --left;
+      int r = 0;
+      while (r < W && pids[r] != pid) ++r;
+      if (r == W) continue;
+      pids[r] = -1;
+      const int code = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+      if (code != 0 && result == 0) {
+        result = code;
+        std::fprintf(stderr, "transport_emu: rank %d failed with status %d; stopping the others\n",
+                     r, code);
+        for (const pid_t p : pids)
+          if (p > 0) kill(p, SIGKILL);
+      }
     }
   }
   for (int r = 0; r < W; ++r)  // a rank that failed leaves its host segment linked

@@ -48,6 +48,20 @@ inline void st_relaxed_sys(uint64_t* p, uint64_t v) {
   __atomic_store_n(p, v, __ATOMIC_RELAXED);
 }
 
+inline uint64_t ld_acquire_gpu(const uint64_t* p) {
+  emu_check_aligned(p, 8, "ld.acquire.gpu.u64");
+  return __atomic_load_n(p, __ATOMIC_ACQUIRE);
+}
+
+inline void st_release_gpu(uint64_t* p, uint64_t v) {
+  emu_check_aligned(p, 8, "st.release.gpu.u64");
+  __atomic_store_n(p, v, __ATOMIC_RELEASE);
+}
+
+// Launches run one after another here, so the previous grid is always complete.
+inline void griddep_wait() {}
+inline void griddep_launch_dependents() {}
+
 inline void fence_acq_rel_sys() {
   __atomic_thread_fence(__ATOMIC_ACQ_REL);
 }

@@ -1,0 +1,338 @@
+"""``Buffer(backend="cuda")`` and ``pcie_a2a.cuda_backend`` run without a GPU: the real
+binding, host code and kernels compiled against the CUDA execution model
+(tests/cuda_emu_module.py), on CPU tensors, one fresh process per case.
+
+* The low-latency calls' cost, counted: host synchronisations (``.tolist()``, ``.item()``,
+  ``.cpu()``, stream and device syncs in Python; blocking runtime calls in C++) and launches
+  (the torch ops a GPU would run as kernels, plus the transport's stream operations), for one
+  ``low_latency_dispatch`` + ``low_latency_combine`` in the rows and expert-major layouts.
+  Targets (issue 10): 0 syncs, at most 4 launches. Print them with
+  ``python -m pytest -q -s tests/test_cuda_backend_emulated.py -k counts``.
+* Those two calls captured in a graph (the emulated runtime's) and replayed with new inputs.
+* Bad ids found on the device and raised by the next call; the Buffer stays usable.
+* The in-process harness (``CudaTransport.in_process``): W transports in one process, each
+  on its own stream, tables built from each other's pointers.
+
+World 1 for the Buffer (one process: the transport's own segment), 2-3 for the in-process
+harness; every result is compared bit for bit with the CPU reference.
+"""
+
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+
+from dist_utils import run_ranks
+from native_emulation import compiler
+
+try:
+    import cuda_transport_cases as C
+except ImportError:  # pragma: no cover
+    from tests import cuda_transport_cases as C
+
+E, H, M, K = 8, 256, 12, 4
+LAUNCH_TARGET = 4
+
+
+@pytest.fixture(scope="session")
+def emu_so(tmp_path_factory) -> str:
+    if compiler() is None:
+        pytest.skip("no host C++ compiler to build the emulated CUDA module")
+    if sys.platform != "linux":
+        pytest.skip("the emulated runtime maps its arena the Linux way")
+    import cuda_emu_module
+
+    return str(cuda_emu_module.build(tmp_path_factory.mktemp("cuda_emu_module")))
+
+
+# ---- counting ------------------------------------------------------------------------------
+# aten ops that never launch a kernel on a GPU (allocation, views, metadata)
+_NO_KERNEL = {
+    "empty", "empty_strided", "view", "_unsafe_view", "as_strided", "alias", "detach",
+    "t", "transpose", "permute", "expand", "slice", "select", "unsqueeze", "squeeze",
+    "_reshape_alias", "reshape", "lift_fresh",
+}  # fmt: skip
+
+
+@contextmanager
+def counted():
+    """Counts what Python does that a GPU would pay for: host synchronisations and the
+    torch ops that would launch a kernel (names recorded)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = {"syncs": [], "launches": []}
+
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.__name__.split(".")[0]
+            if name in ("_local_scalar_dense", "_to_copy") or name.startswith("item"):
+                seen["syncs"].append(name)
+            elif name not in _NO_KERNEL:
+                seen["launches"].append(name)
+            return func(*args, **(kwargs or {}))
+
+    originals = {}
+
+    def spy(owner, attr):
+        fn = getattr(owner, attr)
+        originals[(owner, attr)] = fn
+
+        def wrapper(*a, **k):
+            seen["syncs"].append(attr)
+            return fn(*a, **k)
+
+        setattr(owner, attr, wrapper)
+
+    for owner, attr in ((torch.Tensor, "tolist"), (torch.Tensor, "item"), (torch.Tensor, "cpu"),
+                        (torch.Tensor, "numpy"), (torch.cuda, "synchronize")):  # fmt: skip
+        spy(owner, attr)
+    try:
+        with Mode():
+            yield seen
+    finally:
+        for (owner, attr), fn in originals.items():
+            setattr(owner, attr, fn)
+
+
+def _inputs(step: int, ids64: bool = False):
+    g = torch.Generator().manual_seed(7 + step)
+    t = M - 2
+    x = (torch.randn(t, H, generator=g) * 2).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(t)]).int()
+    ids[::3, -1] = -1
+    w = torch.rand(t, K, generator=g)
+    return x, ids.long() if ids64 else ids, w
+
+
+def _expert(res, layout: str) -> torch.Tensor:
+    if layout == "rows":
+        return (res.x.float() * 0.5).to(torch.bfloat16)
+    return (res.x.float() * 2).to(torch.bfloat16)
+
+
+def _valid(res, layout) -> torch.Tensor:
+    n = res.recv_count if layout == "rows" else res.tokens_per_expert
+    return torch.cat([res.x[i, : int(c)] for i, c in enumerate(n)]).view(torch.int16)
+
+
+def _cpu_reference(layout: str, steps: int):
+    """The same calls through the CPU transport (the oracle)."""
+    import pcie_a2a
+
+    out = []
+    with pcie_a2a.Buffer(None, E, H, M, num_topk=K, backend="cpu") as buf:
+        for step in range(steps):
+            x, ids, w = _inputs(step)
+            r = buf.low_latency_dispatch(x, ids, w, layout=layout)
+            y = buf.low_latency_combine(_expert(r, layout), r.handle)
+            out.append((_valid(r, layout), r.tokens_per_expert_list, y.view(torch.int16)))
+    return out
+
+
+def _rank_counts(rank: int, world: int, so: str) -> dict:
+    import cuda_emu_module
+
+    import pcie_a2a
+
+    hooks = cuda_emu_module.install(Path(so))
+    got = {}
+    for layout in ("rows", "expert_major"):
+        want = _cpu_reference(layout, 3)
+        with pcie_a2a.Buffer(None, E, H, M, num_topk=K, backend="cuda") as buf:
+            assert buf._device_side
+            for step in range(3):  # the first call warms up; both parities and reuse
+                x, ids, w = _inputs(step, ids64=step == 2)
+                l0, s0, _ = hooks.counts()
+                with counted() as py:
+                    r = buf.low_latency_dispatch(x, ids, w, layout=layout)
+                    y_in = None
+                    py_mid = (list(py["syncs"]), list(py["launches"]))
+                l1, s1, _ = hooks.counts()
+                y_in = _expert(r, layout)  # the experts: not the transport's cost
+                l2, s2, _ = hooks.counts()
+                with counted() as py2:
+                    y = buf.low_latency_combine(y_in, r.handle)
+                l3, s3, _ = hooks.counts()
+                v, tpe, out = want[step]
+                assert torch.equal(_valid(r, layout), v), f"{layout} step {step}: rows"
+                assert r.tokens_per_expert_list == tpe, f"{layout} step {step}: per expert"
+                assert torch.equal(y.view(torch.int16), out), f"{layout} step {step}: combine"
+                got[layout] = {
+                    "syncs": (s1 - s0) + (s3 - s2) + len(py_mid[0]) + len(py2["syncs"]),
+                    "launches": (l1 - l0) + (l3 - l2) + len(py_mid[1]) + len(py2["launches"]),
+                    "torch_ops": py_mid[1] + py2["launches"],
+                    "python_syncs": py_mid[0] + py2["syncs"],
+                }
+            stats = buf.stats()
+            assert stats["calls"] == 6 and stats["last_bytes_per_rank"][0] > 16, stats
+    assert not cuda_emu_module.leaks(hooks)
+    return got
+
+
+def test_low_latency_counts(emu_so, capsys):
+    """One low_latency_dispatch + low_latency_combine on the CUDA backend: 0 host syncs and
+    at most 4 launches, in both layouts (and the results equal the CPU transport's)."""
+    got = run_ranks(1, _rank_counts, emu_so, timeout=300)[0].unwrap()
+    with capsys.disabled():
+        for layout, c in got.items():
+            print(f"\n{layout}: host syncs: {c['syncs']}, launches: {c['launches']}"
+                  f"  (torch ops {c['torch_ops']}, python syncs {c['python_syncs']})")  # fmt: skip
+    for layout, c in got.items():
+        assert c["syncs"] == 0, (layout, c)
+        assert c["launches"] <= LAUNCH_TARGET, (layout, c)
+
+
+# ---- graph capture -------------------------------------------------------------------------
+def _rank_graph(rank: int, world: int, so: str) -> None:
+    """Buffer.low_latency_dispatch and low_latency_combine themselves captured (two graphs:
+    the experts run between them) and replayed with new inputs copied into the captured ones."""
+    import cuda_emu_module
+
+    import pcie_a2a
+
+    hooks = cuda_emu_module.install(Path(so))
+    stream = cuda_emu_module.EMU_STREAM.current
+    for layout in ("rows", "expert_major"):
+        want = _cpu_reference(layout, 4)
+        with pcie_a2a.Buffer(None, E, H, M, num_topk=K, backend="cuda") as buf:
+            x, ids, w = (t.clone() for t in _inputs(0))
+            r = buf.low_latency_dispatch(x, ids, w, layout=layout)  # eager warm-up
+            buf.low_latency_combine(_expert(r, layout), r.handle)
+            hooks.begin_capture(stream)
+            res = buf.low_latency_dispatch(x, ids, w, layout=layout)
+            g_dispatch = hooks.end_capture(stream)
+            y = torch.zeros_like(_expert(res, layout))
+            hooks.begin_capture(stream)
+            out = buf.low_latency_combine(y, res.handle)
+            g_combine = hooks.end_capture(stream)
+            for step in range(1, 4):
+                nx, nids, nw = _inputs(step)
+                x.copy_(nx)
+                ids.copy_(nids)
+                w.copy_(nw)
+                hooks.launch(g_dispatch, stream)
+                y.copy_(_expert(res, layout))
+                hooks.launch(g_combine, stream)
+                buf.check()
+                v, tpe, o = want[step]
+                assert torch.equal(_valid(res, layout), v), f"{layout} replay {step}: rows"
+                assert res.tokens_per_expert.tolist() == tpe
+                assert torch.equal(out.view(torch.int16), o), f"{layout} replay {step}: combine"
+            hooks.destroy_graph(g_dispatch)
+            hooks.destroy_graph(g_combine)
+    assert not cuda_emu_module.leaks(hooks)
+
+
+def test_low_latency_calls_captured_and_replayed(emu_so):
+    run_ranks(1, _rank_graph, emu_so, timeout=300)[0].unwrap()
+
+
+# ---- ids checked on the device -------------------------------------------------------------
+def _rank_bad_ids(rank: int, world: int, so: str) -> str:
+    import cuda_emu_module
+
+    import pcie_a2a
+
+    cuda_emu_module.install(Path(so))
+    with pcie_a2a.Buffer(None, E, H, M, num_topk=K, backend="cuda") as buf:
+        x, ids, w = _inputs(0)
+        ids[1, 0] = E + 5  # past the experts
+        ids[2, 1] = ids[2, 0]  # an expert twice
+        r = buf.low_latency_dispatch(x, ids, w)  # no host look at the ids: it runs
+        # The next call raises (here the combine: the emulated kernel has already run) and
+        # is aborted on the wire, as a ValueError of the host check is.
+        with pytest.raises(
+            ValueError, match=r"topk_ids of low_latency_dispatch \(call 1\)"
+        ) as info:
+            buf.low_latency_combine(_expert(r, "rows"), r.handle)
+        x, ids, w = _inputs(1)
+        r = buf.low_latency_dispatch(x, ids, w)  # usable: the word was cleared
+        y = buf.low_latency_combine(_expert(r, "rows"), r.handle)
+        assert torch.equal(y.view(torch.int16), _cpu_reference("rows", 2)[1][2])
+        return str(info.value)
+
+
+def test_bad_ids_are_found_on_the_device_and_raised_next(emu_so):
+    msg = run_ranks(1, _rank_bad_ids, emu_so, timeout=300)[0].unwrap()
+    assert "outside [-1, 8)" in msg and "listed twice" in msg, msg
+
+
+# ---- the in-process harness ----------------------------------------------------------------
+def _rank_in_process(rank: int, world: int, so: str, case: C.Case) -> None:
+    import cuda_emu_module
+
+    from pcie_a2a.cuda_backend import CudaTransport
+
+    hooks = cuda_emu_module.install(Path(so))
+    txs = CudaTransport.in_process(
+        case.world, case.hidden, case.max_tokens, case.num_topk, C.PAYLOADS[case.payload],
+        C.DTYPES[case.dtype][1], C.placement(case), pair_transport=C.pair_plan(case),
+    )  # fmt: skip
+    for t in txs:
+        t.emu_stream = hooks.stream()
+    w, m, k = case.world, case.max_tokens, case.num_topk
+    dtype = C.DTYPES[case.dtype][0]
+    for step in range(3):
+        ins = [C.inputs(case, r, step) for r in range(w)]
+        bufs = []
+        for r, t in enumerate(txs):  # every send first: each receive waits for all of them
+            b = dict(
+                send_token=torch.empty(w * m, dtype=torch.int32),
+                send_count=torch.empty(w, dtype=torch.int32),
+                counts=torch.empty(w, dtype=torch.int32),
+                xo=torch.empty(w * m, case.hidden, dtype=dtype),
+                src_rank=torch.empty(w * m, dtype=torch.int32),
+                src_token=torch.empty(w * m, dtype=torch.int32),
+                ids_o=torch.empty(w * m, k, dtype=torch.int32),
+                ws_o=torch.empty(w * m, k, dtype=torch.float32),
+                per_expert=torch.empty(t.num_local_experts, dtype=torch.int32),
+                out=torch.empty(case.max_tokens, case.hidden, dtype=dtype),
+                td=t.new_ticket(),
+                tc=t.new_ticket(),
+            )
+            x, ids, wt = ins[r]
+            t.dispatch_send_async(b["td"], 3, x, ids, wt, b["send_token"], b["send_count"])
+            bufs.append(b)
+        for t, b in zip(txs, bufs):
+            t.recv_rows_async(b["td"], b["counts"], b["xo"], None, None, b["src_rank"],
+                              b["src_token"], b["ids_o"], b["ws_o"], b["per_expert"])  # fmt: skip
+        for r, (t, b) in enumerate(zip(txs, bufs)):
+            t.check()
+            b["y"] = C.rows_fn(b["xo"], r)
+            t.combine_send_async(b["tc"], 4, b["y"], b["counts"])
+        for r, (t, b) in enumerate(zip(txs, bufs)):
+            n = ins[r][0].shape[0]
+            t.combine_recv_async(b["tc"], b["send_token"], b["send_count"], n, b["out"][:n])
+            t.check()
+            C.check_ll_rows(case, r, step, b, n)
+    assert CudaTransport.close_in_process(txs) == [True] * w
+    for t in txs:
+        hooks.destroy_stream(t.emu_stream)
+    assert not cuda_emu_module.leaks(hooks)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [C.Case("inproc_p2p_3", 3, "ll_rows", experts=9, seed=70),
+     C.Case("inproc_mixed_fp8_2", 2, "ll_rows", payload="fp8", transport="mixed", seed=71)],
+    ids=lambda c: c.name,
+)  # fmt: skip
+def test_in_process_transports(emu_so, case):
+    run_ranks(1, _rank_in_process, emu_so, case, timeout=300)[0].unwrap()
+
+
+def test_the_counter_sees_launches_and_syncs():
+    """counted() is what the launch/sync targets rest on: it must see both (no emulation)."""
+    t = torch.ones(4)
+    with counted() as seen:
+        torch.empty(3)  # an allocation: no kernel
+        u = torch.zeros(3)  # a fill kernel on a GPU
+        (t + 1).tolist()  # a kernel and a synchronisation
+        _ = u[0].item()
+    assert "tolist" in seen["syncs"] and "item" in seen["syncs"], seen
+    assert {"zeros", "add"} <= set(seen["launches"]), seen
+    assert "empty" not in seen["launches"], seen
