@@ -71,7 +71,8 @@ PYBIND11_MODULE(_cuda_transport, m) {
           py::arg("handles"), py::arg("send_transport"), py::arg("recv_transport"),
           py::arg("order"))
       .def("set_placement", &CudaTransport::set_placement, py::arg("offset"), py::arg("rank"),
-           py::arg("local"), py::call_guard<py::gil_scoped_release>())
+           py::arg("local"), py::arg("choice_offset") = std::vector<int32_t>(),
+           py::arg("choice") = std::vector<int32_t>(), py::call_guard<py::gil_scoped_release>())
       .def("unlink_own", &CudaTransport::unlink_own)
       .def("close", &CudaTransport::close, py::call_guard<py::gil_scoped_release>())
       .def("check", &CudaTransport::check)

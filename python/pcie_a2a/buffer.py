@@ -231,6 +231,7 @@ class Buffer:
             "payload": self.payload,
             "num_topk": self.num_topk,
             "placement": self.placement.replicas,
+            "replica_choice": self.placement.choice,
             "backend": self.backend,
             "wire_version": _native.transport().WIRE_VERSION,
         }
@@ -247,7 +248,7 @@ class Buffer:
         for key, mine in gathered[0][0].items():
             values = [g[0][key] for g in gathered]
             if any(v != mine for v in values):
-                shown = values if key != "placement" else "(differs)"
+                shown = values if key not in ("placement", "replica_choice") else "(differs)"
                 raise ValueError(
                     f"Buffer argument {key!r} differs between ranks: {shown}; "
                     "every rank must pass the same value"
@@ -410,7 +411,7 @@ class Buffer:
     def _placement_table(self):
         if not hasattr(self, "_placement_native"):
             self._placement_native = _native.transport().Placement(
-                *self.placement.csr(), self.world
+                *self.placement.csr(), self.world, *self.placement.choice_csr(self.rank)
             )
         return self._placement_native
 

@@ -302,7 +302,7 @@ class CudaTransport:
             tx.open_peers(
                 handles, plan[rank], [plan[s][rank] for s in range(world)], self.send_order[rank]
             )
-            tx.set_placement(*placement.csr())
+            tx.set_placement(*placement.csr(), *placement.choice_csr(rank))
         except Exception as exc:
             error = f"rank {rank}: {exc}"
         self._check_all(error, "opening peers")

@@ -66,8 +66,11 @@ class CudaTransport {
   void open_peers(const std::vector<std::string>& handles,
                   const std::vector<int32_t>& send_transport,
                   const std::vector<int32_t>& recv_transport, const std::vector<int32_t>& order);
+  // choice_offset/choice: this rank's row of the replica choice table, or empty (routing.h).
   void set_placement(const std::vector<int32_t>& offset, const std::vector<int32_t>& rank,
-                     const std::vector<int32_t>& local);
+                     const std::vector<int32_t>& local,
+                     const std::vector<int32_t>& choice_offset = {},
+                     const std::vector<int32_t>& choice = {});
   void unlink_own();
   void close();
 
