@@ -5,8 +5,10 @@ hierarchical with the box's islands as nodes) vs pcie_a2a.balance, on the same l
 Loads look like real routing: each layer draws tokens whose top-k experts follow a Zipf
 popularity over a random expert order (``zipf-S``: skew S), or popularity concentrated in a
 few expert groups (``group``), or a popularity that drifts from one time window to the next
-(``drift``: each method rebalances on window t and is judged on window t + 1; ours keeps
-experts in place unless moving pays, EPLB starts from scratch), or a recorded file
+(``drift``: one layer over successive time windows, each weight scaled by log-normal noise
+of sigma 0.3 per window; each method rebalances on window t and is judged on window t + 1;
+ours keeps experts in place unless moving pays, EPLB starts from scratch; ``moved`` counts
+the (rank, expert) pairs a rank did not hold before, median per rebalance), or a recorded file
 (``--load``: SGLang's expert-distribution dump or ours; judged on its own loads).
 
 Per layer each method places the experts from one window's loads (16 steps of 128 tokens
@@ -46,7 +48,7 @@ import numpy as np
 from pcie_a2a.balance import Islands, Options, Workload, balance_layer, expected, io, simulate
 from pcie_a2a.balance import eplb as ep
 from pcie_a2a.balance import synthetic as syn
-from pcie_a2a.balance.layout import to_placement
+from pcie_a2a.balance.layout import from_placement, to_placement
 from pcie_a2a.topology import load
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,12 +60,27 @@ BOXES = {
 }
 DUAL_SOCKET = ("broadcom-2xEPYC", "direct-2xEPYC")
 E, W, K, T, R = 384, 8, 8, 128, 32
-WINDOW_STEPS, HELD_OUT_STEPS, GROUPS = 16, 8, 8
+WINDOW_STEPS, HELD_OUT_STEPS, GROUPS, DRIFT_SIGMA = 16, 8, 8, 0.3
 METHODS = ("contiguous", "eplb", "eplb-hier", "ours")
 
 
 def layer_windows(scenario: str, layers: int, rng: np.random.Generator):
-    """Per layer: (window steps, held-out steps) of routed tokens."""
+    """Per layer (for ``drift``: per time window of one layer): (window steps, held-out
+    steps, popularity of the held-out steps) of routed tokens."""
+    if scenario == "drift":
+        w = syn.zipf_weights(E, 1.0, rng)
+        out = []
+        for _ in range(layers):
+            nxt = syn.drift(w, DRIFT_SIGMA, rng)
+            out.append(
+                (
+                    syn.route(w, W, T, K, WINDOW_STEPS, rng),
+                    syn.route(nxt, W, T, K, HELD_OUT_STEPS, rng),
+                    nxt,
+                )
+            )
+            w = nxt
+        return out
     out = []
     for _ in range(layers):
         if scenario.startswith("zipf-"):
@@ -72,9 +89,6 @@ def layer_windows(scenario: str, layers: int, rng: np.random.Generator):
         elif scenario == "group":
             w = syn.group_weights(E, GROUPS, 1.0, rng)
             nxt = w
-        elif scenario == "drift":
-            w = syn.zipf_weights(E, 1.0, rng)
-            nxt = syn.drift(w, 0.5, rng)
         else:
             raise ValueError(scenario)
         out.append(
@@ -99,7 +113,8 @@ def place(method: str, loads, islands: Islands):
 
 def run_box(islands: Islands, scenario_layers, opt: Options, scenario: str):
     rows = {m: [] for m in METHODS}
-    prev_ours = None
+    prev = {m: None for m in METHODS}
+    drift = scenario == "drift"
     for win, held, _ in scenario_layers:
         loads, _ = syn.loads_of(win, E)
         work = Workload(loads, None, T, K)
@@ -107,13 +122,16 @@ def run_box(islands: Islands, scenario_layers, opt: Options, scenario: str):
         for m in METHODS:
             if m == "ours":
                 t0 = time.perf_counter()
-                res = balance_layer(loads, islands, opt, prev_ours if scenario == "drift" else None)
+                res = balance_layer(loads, islands, opt, prev[m] if drift else None)
                 ms = (time.perf_counter() - t0) * 1e3
-                pl, moved = res.placement, res.moved
-                if scenario == "drift":
-                    prev_ours = res.slots
+                pl = res.placement
             else:
-                pl, ms, moved = place(m, loads, islands), 0.0, 0
+                pl, ms = place(m, loads, islands), 0.0
+            slots = from_placement(pl)
+            moved = 0
+            if drift and prev[m] is not None:  # (rank, expert) pairs a rank did not hold
+                moved = sum(len(set(slots[r]) - set(prev[m][r])) for r in range(W))
+            prev[m] = slots
             ex = expected(pl, work, islands, opt.cost, opt.row_bytes)
             sim = simulate(pl, held, T, islands, opt.cost, opt.row_bytes)
             if m == "eplb":
