@@ -203,6 +203,7 @@ class Buffer:
         self._combine_calls = 0
         self._failed: str | None = None
         self._stats = _Stats([0] * self.world, [0] * self.world)
+        self._load: torch.Tensor | None = None  # see expert_load()
         self._bootstrap()
 
     # ---- construction ------------------------------------------------------------------
@@ -374,6 +375,26 @@ class Buffer:
             "numa_node": getattr(self._transport, "numa_node", -1),
             "numa_bound": bool(getattr(self._transport, "numa_bound", False)),
         }
+
+    def expert_load(self) -> torch.Tensor:
+        """Tokens this rank sent to each global expert (``[num_experts]`` int64) in the
+        dispatch calls since the last call of this method, which starts a new count.
+
+        Counted where ``topk_ids`` live: on the host with the CPU backend, as a device
+        tensor with the CUDA backend (an ``index_add_`` on the call's stream, no host
+        synchronisation: the caller reads it when it wants the numbers). Replicas are not
+        told apart: these are logical (global) expert ids, what the balancer takes."""
+        load = self._load
+        if load is None:
+            load = torch.zeros(self.num_experts, dtype=torch.int64, device=self.device)
+        self._load = None
+        return load
+
+    def _count_load(self, ids: torch.Tensor) -> None:
+        if self._load is None:
+            self._load = torch.zeros(self.num_experts, dtype=torch.int64, device=ids.device)
+        flat = ids.reshape(-1)
+        self._load.index_add_(0, flat.clamp_min(0).long(), (flat >= 0).long())
 
     def _record(self) -> None:
         last = list(self._transport.last_bytes())
@@ -592,6 +613,7 @@ class Buffer:
             send_token,
             send_count,
         )
+        self._count_load(ids)
         return x.shape[0], send_token, send_count
 
     def _check_options(self, layout: str, return_fp8: bool) -> None:

@@ -251,3 +251,20 @@ def sglang_output_format(allowed: tuple[str, ...]) -> str:
 def vllm_enabled() -> bool:
     """PCIE_A2A_VLLM=1 selects pcie_a2a's prepare/finalize in vLLM (off by default)."""
     return _get("PCIE_A2A_VLLM") == "1"
+
+
+def balance_gpus() -> list[int] | None:
+    """PCIE_A2A_BALANCE_GPUS: the topology GPU of each EP rank of a node (``0,1,...``) for
+    the balancer inside a serving engine; None: rank r is GPU r."""
+    value = _get("PCIE_A2A_BALANCE_GPUS")
+    if value is None:
+        return None
+    try:
+        gpus = [int(v) for v in value.split(",")]
+    except ValueError:
+        gpus = []
+    if not gpus or min(gpus) < 0:
+        raise ValueError(
+            f"PCIE_A2A_BALANCE_GPUS={value!r}: expected comma-separated GPU indices >= 0"
+        )
+    return gpus

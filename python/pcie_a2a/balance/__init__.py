@@ -5,11 +5,12 @@ Pure functions over data: loads per expert (``[layers, experts]``), the box as
 redundant replicas and a per-(source, expert) replica choice table for the wire layer.
 """
 
-from .algorithm import LayerResult, Options, balance, balance_layer, island_tree, replicate
+from .algorithm import LayerResult, Options, balance, balance_layer, replicate
 from .cost import GemmCost, RowBytes
 from .evaluate import Metrics, Workload, expected, simulate
 from .islands import Islands
 from .layout import from_placement, to_placement
+from .pack import island_tree
 
 __all__ = [
     "GemmCost",

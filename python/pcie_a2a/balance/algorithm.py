@@ -23,7 +23,10 @@
 
 A previous placement makes keeping an expert where it is worth ``move_us`` per step (its
 weights cross PCIe to move: bytes / move bandwidth, amortised over the steps until the next
-rebalance), in the packing's choices and in the refinement.
+rebalance), in the packing's choices and in the refinement (a row taken off the slowest
+rank is weighed as a compute-bound row's GEMM time against it); when its copy counts still
+fit, the previous placement itself is refined too and kept unless the new one is better
+by ``keep_margin``. Packing: :mod:`.pack`; refinement: :mod:`.refine`.
 """
 
 from __future__ import annotations
@@ -37,7 +40,9 @@ import numpy as np
 from ..placement import Placement
 from .cost import KIMI_K2, GemmCost, RowBytes
 from .islands import Islands
-from .layout import check_slots, nearest_fractions, replica_table, to_placement
+from .layout import check_slots, to_placement
+from .pack import Packer, island_tree
+from .refine import Refiner
 
 
 def _default_cost() -> GemmCost:
@@ -121,241 +126,6 @@ def replicate(loads: np.ndarray, num_physical: int, max_per_expert: int) -> np.n
     return count
 
 
-# ---- the island tree ------------------------------------------------------------------------
-@dataclass
-class _Node:
-    ranks: list[int]
-    children: list[_Node]
-
-    @property
-    def rank(self) -> int | None:
-        return self.ranks[0] if not self.children else None
-
-
-def island_tree(paths: Sequence[Sequence[str]]) -> _Node:
-    """Trie of the rank paths; a node with one child is that child."""
-
-    def build(ranks: list[int], depth: int) -> _Node:
-        if len(ranks) == 1:
-            return _Node(ranks, [])
-        groups: dict[str, list[int]] = {}
-        leaves = []
-        for r in ranks:
-            if depth < len(paths[r]):
-                groups.setdefault(paths[r][depth], []).append(r)
-            else:
-                leaves.append(r)
-        kids = [build(g, depth + 1) for g in groups.values()] + [_Node([r], []) for r in leaves]
-        return kids[0] if len(kids) == 1 else _Node(sorted(ranks), kids)
-
-    return build(list(range(len(paths))), 0)
-
-
-# ---- packing ---------------------------------------------------------------------------------
-class _Packer:
-    def __init__(self, src, counts, n_slots, scale, cost, prev_ranks, move_us):
-        self.src = src  # [W, E] assignments from each source over the window
-        self.counts = counts
-        self.n = n_slots
-        self.scale = scale
-        self.cost = cost
-        self.prev = prev_ranks  # list of sets: ranks that held expert e, or None
-        self.move_us = move_us
-        self.out: list[list[int]] = [[] for _ in range(src.shape[0])]
-
-    def place(self, node: _Node, items: list[tuple[int, int, float]]) -> None:
-        if node.rank is not None:
-            self.out[node.rank].extend(e for e, _, _ in items)
-            return
-        kids = node.children
-        k = len(kids)
-        cap = np.array([self.n * len(c.ranks) for c in kids], dtype=np.float64)
-        max_c = np.array([len(c.ranks) for c in kids])
-        own = np.stack([self.src[c.ranks].sum(axis=0) for c in kids])  # [k, E]
-        free = cap.copy()
-        time = np.zeros(k)
-        sub: list[list[tuple[int, int, float]]] = [[] for _ in range(k)]
-
-        def per_replica(item):
-            e, m, ext = item
-            return (own[:, e].sum() + m * ext) / m
-
-        # replicated experts first (their copies must land on distinct ranks), then by size
-        for e, m, ext in sorted(items, key=lambda it: (it[1] < 2, -per_replica(it), it[0])):
-            size = self.cost.expected(per_replica((e, m, ext)) * self.scale)
-            cnt = np.zeros(k, dtype=np.int64)
-            for _ in range(m):
-                ok = (free - cnt >= 1) & (cnt < max_c)
-                if not ok.any():
-                    raise RuntimeError("balance: packing ran out of room (a bug)")
-                low = ok & (cnt == cnt[ok].min())  # spread over children first
-                score = (time + size * (cnt + 1)) / cap
-                if self.prev is not None:
-                    had = np.array([bool(self.prev[e] & set(c.ranks)) for c in kids])
-                    score = score + np.where(had, 0.0, self.move_us / cap * cap.mean())
-                cnt[int(np.flatnonzero(low)[np.argmin(score[low])])] += 1
-            served = cnt > 0
-            ext2 = ext + own[~served, e].sum() / m
-            for i in np.flatnonzero(served):
-                load = own[i, e] + cnt[i] * ext2
-                time[i] += cnt[i] * self.cost.expected(load / cnt[i] * self.scale)
-                free[i] -= cnt[i]
-                sub[i].append((e, int(cnt[i]), ext2))
-        for i, c in enumerate(kids):
-            self.place(c, sub[i])
-
-
-# ---- refinement ------------------------------------------------------------------------------
-class _Refiner:
-    """Swaps of single-replica experts between ranks (see the module docstring). A single
-    replica serves every source wherever it is, so its rows and GEMM time move with it;
-    its link bytes depend on the rank (``v``)."""
-
-    def __init__(self, slots, src, counts, near, islands: Islands, opt: Options, scale, prev):
-        self.slots, self.opt = slots, opt
-        w, n = slots.shape
-        e_n = counts.size
-        rank, _ = replica_table(slots, e_n)
-        frac = nearest_fractions(rank, near)
-        per_src = src * scale  # [W, E] assignments per step from each source
-        rep_rows = np.einsum("se,ser->er", per_src, frac)
-        j_of = np.array(
-            [[int(np.flatnonzero(rank[e] == r)[0]) for e in slots[r]] for r in range(w)]
-        )
-        self.rows = rep_rows[slots, j_of]  # [W, n] rows per step of each slot's replica
-        self.cost = opt.cost.expected(self.rows)
-        self.single = counts[slots] == 1
-        lm = islands.link_matrix()  # [W, W, L]
-        self.caps = np.array([c for _, c in islands.link_gbps] or [1.0]) * 1e3  # bytes / µs
-        rb = opt.row_bytes
-        # bytes per step if every assignment were a row, scaled to rows by the dedup of
-        # uniform routing (a token sends one row per rank, not per expert)
-        dedup = opt.top_k / max(_distinct_ranks(opt.top_k, w, e_n), 1.0)
-        self.v = (
-            rb.dispatch * np.einsum("se,sdl->edl", per_src, lm)
-            + rb.combine * np.einsum("se,dsl->edl", per_src, lm)
-        ) / dedup  # [E, W, L]: a single replica of e on rank d
-        links = np.zeros(lm.shape[2])
-        for r in range(w):
-            for j in range(n):
-                e = slots[r, j]
-                if self.single[r, j]:
-                    links += self.v[e, r]
-                else:
-                    f = per_src[:, e] * frac[:, e, j_of[r, j]]
-                    links += (rb.dispatch * f @ lm[:, r] + rb.combine * f @ lm[r]) / dedup
-        self.links = links
-        self.pen = np.zeros((e_n, w))
-        self.prev = prev is not None
-        big = opt.cost.rows[-1]
-        self.us_per_row = float(opt.cost(big) - opt.cost(big / 2)) / (big / 2)
-        if prev is not None:
-            for e in range(e_n):
-                self.pen[e, [r for r in range(w) if r not in prev[e]]] = opt.move_us
-
-    def total(self) -> float:
-        """max rank GEMM time + busiest link time + move penalty (µs per step)."""
-        t = self.cost.sum(axis=1).max()
-        pen = self.pen[self.slots, np.arange(self.slots.shape[0])[:, None]].sum()
-        return float(t + (self.links / self.caps).max() + pen)
-
-    def _candidates(self, key: np.ndarray, with_links: bool):
-        """Every swap of a single on the rank with the largest ``key`` with a single on
-        another rank: (a, xs, ob, oj, step objective or None, largest count) after each."""
-        s, w = self.slots, self.slots.shape[0]
-        a = int(np.argmax(key))
-        xs = np.flatnonzero(self.single[a])
-        ob, oj = np.nonzero(self.single)
-        keep = ob != a
-        ob, oj = ob[keep], oj[keep]
-        if not xs.size or not ob.size:
-            return None
-        ex, ey, b = s[a, xs][:, None], s[ob, oj][None, :], ob[None, :]
-
-        def after(per_rank, val):
-            """(new value of the larger of the two ranks, new largest over all ranks)."""
-            vx, vy = val[a, xs][:, None], val[ob, oj][None, :]
-            rest = np.array([np.delete(per_rank, [a, r]).max(initial=0.0) for r in range(w)])
-            pair = np.maximum(per_rank[a] - vx + vy, per_rank[ob][None] - vy + vx)
-            return pair, np.maximum(pair, rest[ob][None])
-
-        c_pair, c_new = after(self.rows.sum(axis=1), self.rows)
-        t_pair, t_new = after(self.cost.sum(axis=1), self.cost)
-        out = [a, xs, ob, oj, c_pair, c_new, t_pair, t_new]
-        if not with_links:
-            d_pen = self.pen[ex, b] + self.pen[ey, a] - self.pen[ex, a] - self.pen[ey, b]
-            return [*out, None, d_pen]
-        # only links near the busiest can become the busiest after one swap
-        util = self.links / self.caps
-        hot = np.flatnonzero(util >= 0.9 * util.max())
-        v = self.v[:, :, hot]
-        d_links = v[ex, b] + v[ey, a] - v[ex, a] - v[ey, b]
-        link_t = ((self.links[hot] + d_links) / self.caps[hot]).max(axis=2)
-        rest = np.delete(util, hot).max(initial=0.0)
-        d_pen = self.pen[ex, b] + self.pen[ey, a] - self.pen[ex, a] - self.pen[ey, b]
-        pen_now = self.total() - self.cost.sum(axis=1).max() - util.max()
-        return [*out, t_new + np.maximum(link_t, rest) + pen_now + d_pen, d_pen]
-
-    def _apply(self, a: int, x: int, b: int, y: int) -> None:
-        s = self.slots
-        ex, ey = s[a, x], s[b, y]
-        self.links = self.links + self.v[ex, b] + self.v[ey, a] - self.v[ex, a] - self.v[ey, b]
-        s[a, x], s[b, y] = ey, ex
-        for arr in (self.rows, self.cost):
-            arr[a, x], arr[b, y] = arr[b, y], arr[a, x]
-
-    def _take(self, c, score: np.ndarray) -> None:
-        i = np.unravel_index(int(np.argmin(score)), score.shape)
-        a, xs, ob, oj = c[:4]
-        self._apply(a, int(xs[i[0]]), int(ob[i[1]]), int(oj[i[1]]))
-
-    def run(self) -> int:
-        """Phase 1: the largest token count (GEMM time breaks ties). Phase 2: the step
-        objective, the largest count staying within ``count_slack`` of phase 1's. A swap
-        is taken when it lowers the pair's larger value below the measured rank's and
-        raises no other: ties at the top then go down one rank at a time."""
-        swaps = 0
-        while swaps < self.opt.max_swaps:
-            counts = self.rows.sum(axis=1)
-            c = self._candidates(counts, False)
-            if c is None:
-                break
-            a, c_pair, c_new = c[0], c[4], c[5]
-            ok = (c_pair < counts[a] * (1 - 1e-9)) & (c_new <= counts.max())
-            if self.prev:  # a row off the slowest rank is worth a compute-bound row's time
-                ok &= (counts[a] - c_pair) * self.us_per_row > c[9] + 1e-12
-            if not ok.any():
-                break
-            self._take(c, np.where(ok, c_pair + 1e-6 * c[7], np.inf))
-            swaps += 1
-        bound = self.rows.sum(axis=1).max() * (1 + self.opt.count_slack)
-        current = self.total()
-        while swaps < self.opt.max_swaps:
-            times = self.cost.sum(axis=1)
-            c = self._candidates(times, True)
-            if c is None:
-                break
-            a, c_new, t_pair, j_new = c[0], c[5], c[6], c[8]
-            ok = (c_new <= bound) & (j_new <= current + 1e-9) & (t_pair < times[a] - 1e-6)
-            ok |= (c_new <= bound) & (j_new < current * (1 - 1e-5))
-            if not ok.any():
-                break
-            self._take(c, np.where(ok, j_new, np.inf))
-            current = self.total()
-            swaps += 1
-        return swaps
-
-
-def _distinct_ranks(top_k: int, world: int, e_n: int) -> float:
-    """E[distinct ranks per token] under uniform routing (the dedup of rows)."""
-    from math import comb
-
-    per = max(e_n // world, 1)
-    if e_n - per < top_k:
-        return float(min(world, top_k))
-    return world * (1 - comb(e_n - per, top_k) / comb(e_n, top_k))
-
-
 # ---- one layer -------------------------------------------------------------------------------
 def balance_layer(
     loads: np.ndarray,
@@ -388,7 +158,7 @@ def balance_layer(
         for r in range(w):
             for e in prev[r]:
                 prev_ranks[e].add(r)
-    packer = _Packer(src, counts, n, scale, options.cost, prev_ranks, options.move_us)
+    packer = Packer(src, counts, n, scale, options.cost, prev_ranks, options.move_us)
     packer.place(island_tree(islands.paths), [(e, int(counts[e]), 0.0) for e in range(e_n)])
     near = islands.nearness()
     starts = [np.array([sorted(row) for row in packer.out], dtype=np.int64)]
@@ -398,7 +168,7 @@ def balance_layer(
         starts.insert(0, prev.copy())  # the current placement, if its copies are still right
     best = None
     for slots in starts:
-        ref = _Refiner(slots, src, counts, near, islands, options, scale, prev_ranks)
+        ref = Refiner(slots, src, counts, near, islands, options, scale, prev_ranks)
         ref.run()
         score = ref.total()
         # keep the current placement unless the other is better by keep_margin

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .algorithm import island_tree
 from .islands import Islands
+from .pack import island_tree
 
 
 def contiguous(num_experts: int, world: int) -> np.ndarray:
