@@ -173,3 +173,16 @@ def test_cli_refuses_bad_arguments(tmp_path, capsys, extra, fragment):
     import re
 
     assert re.search(fragment, capsys.readouterr().err)
+
+
+def test_balance_gpus_knob(monkeypatch):
+    from pcie_a2a import env
+
+    monkeypatch.delenv("PCIE_A2A_BALANCE_GPUS", raising=False)
+    assert env.balance_gpus() is None
+    monkeypatch.setenv("PCIE_A2A_BALANCE_GPUS", "0,2,4,6")
+    assert env.balance_gpus() == [0, 2, 4, 6]
+    for bad in ("0,x", "-1,0", ","):
+        monkeypatch.setenv("PCIE_A2A_BALANCE_GPUS", bad)
+        with pytest.raises(ValueError, match="PCIE_A2A_BALANCE_GPUS=.*GPU indices"):
+            env.balance_gpus()
