@@ -8,7 +8,9 @@
 * static dispatch: each rank's ``logical_to_rank_dispatch_physical_map`` names, for every
   expert, a replica as near as any on the PCIe tree (4x L40S fixture: two sockets);
 * physical expert ids from SGLang's top-k mapping through our dispatcher give the dense
-  MoE result (the placement's replicas computed where SGLang put them).
+  MoE result (the placement's replicas computed where SGLang put them), before and after
+  SGLang's own EPLB weight mover moved the experts (gloo P2P) to our balancer's placement
+  (``--enable-eplb`` with bf16 experts: what launch.py accepts).
 """
 
 from __future__ import annotations
@@ -117,56 +119,89 @@ def _config_worker(rank: int, world: int, model_dir: str, init_file: str) -> dic
     return out
 
 
-def _moe_worker(rank: int, world: int, maps: list, dispatch_map: list) -> dict:
+def _moe_worker(rank: int, world: int, maps: list, dispatch_map: list, new_map: list) -> dict:
     """Logical ids -> SGLang's static physical mapping -> our dispatcher -> the experts of
-    each physical slot -> combine, against the dense MoE over logical ids."""
+    each physical slot -> combine, against the dense MoE over logical ids; then SGLang's
+    EPLB weight mover (``update_expert_weights_single_layer``, gloo P2P) moves the experts
+    to our balancer's placement ``new_map`` and the same dispatcher runs the new one."""
     import torch
     from fw_utils import dense_reference, moe_problem
     from sglang.srt.eplb.expert_location_dispatch import (
         ExpertLocationDispatchInfo,
         topk_ids_logical_to_physical,
     )
+    from sglang.srt.eplb.expert_location_updater import (
+        create_temp_buffers,
+        update_expert_weights_single_layer,
+    )
     from sglang.srt.layers.moe.moe_runner.base import MoeRunnerConfig
     from sglang.srt.layers.moe.token_dispatcher.standard import StandardCombineInput
     from sglang.srt.layers.moe.topk import StandardTopKOutput
 
+    from pcie_a2a.balance import Islands
     from pcie_a2a.integrations import _common
     from pcie_a2a.integrations.sglang import PcieA2ADispatcher
+    from pcie_a2a.integrations.sglang.eplb import dispatch_map as nearest_map
     from pcie_a2a.reference import expert_forward
+    from pcie_a2a.topology import load
 
     p, local = E + REDUNDANT, (E + REDUNDANT) // world
-    flat = torch.tensor(maps[0]).reshape(-1)
-    info = ExpertLocationDispatchInfo(
-        ep_dispatch_algorithm="static",
-        partial_logical_to_rank_dispatch_physical_map=torch.tensor(dispatch_map[rank][0]),
-        partial_logical_to_all_physical_map=torch.zeros(E, 1, dtype=torch.int64),
-        partial_logical_to_all_physical_map_num_valid=torch.ones(E, dtype=torch.int64),
-        num_physical_experts=p,
-    )
+    old = torch.tensor(maps[0]).reshape(-1)
+    new = torch.tensor(new_map)
     x, ids, w, w13, w2 = moe_problem(rank, world, E, K, H, 0)
-    phys_ids = topk_ids_logical_to_physical(ids.long(), info)
     cfg = MoeRunnerConfig(num_experts=p, num_local_experts=local, hidden_size=H,
                           intermediate_size_per_partition=32, layer_id=0, top_k=K,
                           num_fused_shared_experts=0, params_dtype=torch.bfloat16)  # fmt: skip
     disp = PcieA2ADispatcher(cfg, output_format="standard")
-    try:
+
+    def step(static_map, experts):
+        info = ExpertLocationDispatchInfo(
+            ep_dispatch_algorithm="static",
+            partial_logical_to_rank_dispatch_physical_map=static_map,
+            partial_logical_to_all_physical_map=torch.zeros(E, 1, dtype=torch.int64),
+            partial_logical_to_all_physical_map_num_valid=torch.ones(E, dtype=torch.int64),
+            num_physical_experts=p,
+        )
+        phys_ids = topk_ids_logical_to_physical(ids.long(), info)
         res = disp.dispatch(
             hidden_states=x,
             topk_output=StandardTopKOutput(topk_weights=w, topk_ids=phys_ids, router_logits=None),
         )
-        logical = flat[rank * local : (rank + 1) * local]
         t = res.topk_output
-        y = expert_forward(res.hidden_states, t.topk_ids, t.topk_weights, w13[logical], w2[logical])
+        y = expert_forward(res.hidden_states, t.topk_ids, t.topk_weights, *experts)
         got = disp.combine(combine_input=StandardCombineInput(hidden_states=y))
+        ok = bool(((phys_ids >= 0) & (phys_ids < p)).all())
+        return (float((got.float() - want).abs().max()) if x.shape[0] else 0.0), ok
+
+    want = dense_reference(x, ids, w, w13, w2)
+    out = {"tokens": int(x.shape[0]), "scale": float(want.abs().max()) if x.shape[0] else 1.0}
+    mine = slice(rank * local, (rank + 1) * local)
+    try:
+        weights = [w13[old[mine]].clone(), w2[old[mine]].clone()]
+        out["err"], out["physical"] = step(torch.tensor(dispatch_map[rank][0]), weights)
+        update_expert_weights_single_layer(
+            routed_experts_weights=weights,
+            temp_buffers=create_temp_buffers(weights),
+            old_physical_to_logical_map=old.tolist(),
+            new_physical_to_logical_map=new.tolist(),
+            num_local_physical_experts=local,
+            num_gpu_per_node=world,
+            rank=rank,
+            world_size=world,
+        )
+        out["moved_exact"] = bool(
+            torch.equal(weights[0], w13[new[mine]]) and torch.equal(weights[1], w2[new[mine]])
+        )
+        out["moved_any"] = bool((old[mine] != new[mine]).any())
+        log2phy = torch.full((1, E, p), -1, dtype=torch.int64)
+        for q, e in enumerate(new.tolist()):
+            log2phy[0, e, int((log2phy[0, e] >= 0).sum())] = q
+        static = nearest_map(log2phy, world, p, rank, Islands.from_topology(load(TOPO)))[0]
+        out["err_new"], out["physical_new"] = step(static, weights)
+        out["new_targets_ok"] = bool((new[static] == torch.arange(E)).all())
     finally:
         _common.close_buffers()
-    want = dense_reference(x, ids, w, w13, w2)
-    return {
-        "tokens": int(x.shape[0]),
-        "physical": bool(((phys_ids >= 0) & (phys_ids < p)).all()),
-        "err": float((got.float() - want).abs().max()) if x.shape[0] else 0.0,
-        "scale": float(want.abs().max()) if x.shape[0] else 1.0,
-    }
+    return out
 
 
 def _socket(gpu: int) -> int:
@@ -232,8 +267,20 @@ def test_sglang_eplb_runs_our_balancer_and_reads_our_placements():
     for layer, e in cases:
         assert res["dispatch_map"][0][layer][e] != res["dispatch_map"][1][layer][e]
     # SGLang's physical ids through our dispatcher: the dense MoE result
-    outs = run_ok(WORLD, _moe_worker, [m.tolist() for m in maps], res["dispatch_map"], timeout=300)
+    # then SGLang's EPLB weight mover to our balancer's placement, the same dispatcher
+    assert res["eplb_ours"][0] != want[0]  # the move is not a no-op
+    outs = run_ok(
+        WORLD,
+        _moe_worker,
+        [m.tolist() for m in maps],
+        res["dispatch_map"],
+        res["eplb_ours"][0],
+        timeout=300,
+    )
     for rank, out in enumerate(outs):
-        assert out["physical"], rank
-        assert out["err"] <= 0.02 * max(out["scale"], 1e-3) + 1e-2, (rank, out)
+        assert out["physical"] and out["physical_new"] and out["new_targets_ok"], rank
+        tol = 0.02 * max(out["scale"], 1e-3) + 1e-2
+        assert out["err"] <= tol and out["err_new"] <= tol, (rank, out)
+        assert out["moved_exact"], rank  # every slot holds its new expert, bit for bit
+    assert any(o["moved_any"] for o in outs)
     assert sum(o["tokens"] for o in outs) > 0
