@@ -36,7 +36,7 @@ class Case:
     max_tokens: int = 24
     raw_fp8: bool = False
     transport: str = "auto"  # auto | staged | mixed
-    placement: str = "contiguous"  # contiguous | redundant | random | sparse
+    placement: str = "contiguous"  # contiguous | redundant | table | random | sparse
     copy_engine: str = "off"  # off | all | mixed (normal mode)
     spread: bool = False  # rank r on GPU r % device_count (multi-GPU cases)
     seed: int = 0
@@ -47,6 +47,12 @@ def placement(case: Case) -> Placement:
     if case.placement == "redundant":
         base = Placement.contiguous(case.experts, case.world)
         return Placement.with_redundant(base, {0: [case.world - 1], 1: [1 % case.world]})
+    if case.placement == "table":  # redundant copies and a per-(source, expert) choice table
+        from routing_cases import with_choice_table
+
+        base = Placement.random_permutation(case.experts, case.world, seed=case.seed)
+        hot = {0: list(range(case.world)), 1: [0, case.world - 1], 2: [1 % case.world]}
+        return with_choice_table(Placement.with_redundant(base, hot))
     if case.placement == "random":
         return Placement.random_permutation(case.experts, case.world, seed=case.seed)
     if case.placement == "sparse":  # the last rank holds no expert (world >= 2)

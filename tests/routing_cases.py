@@ -41,7 +41,28 @@ def placement(kind: str, num_experts: int, world: int) -> Placement:
     if kind == "redundant":  # experts 3 and 5 are hot: copies on other ranks
         base = Placement.random_permutation(num_experts, world, seed=11)
         return Placement.with_redundant(base, {3: list(range(world)), 5: [0, world - 1]})
+    if kind == "table":  # redundant, plus a replica choice table (pcie_a2a.balance's kind)
+        return with_choice_table(placement("redundant", num_experts, world))
     raise ValueError(kind)
+
+
+def with_choice_table(pl: Placement) -> Placement:
+    """A choice table unlike the modulo rule: a source uses its own rank's copy where there
+    is one, a weighted split [0, 1, 1] for experts with 2 or 3 copies, otherwise a
+    source-dependent single copy."""
+    table = []
+    for s in range(pl.world):
+        row = []
+        for e, reps in enumerate(pl.replicas):
+            mine = [j for j, (r, _) in enumerate(reps) if r == s]
+            if mine:
+                row.append(mine)
+            elif len(reps) in (2, 3):
+                row.append([0, 1, 1])
+            else:
+                row.append([(s + e) % len(reps)])
+        table.append(row)
+    return pl.with_choice(table)
 
 
 def inputs(world, num_experts, hidden, max_tokens, topk, kind, seed, empty_ranks=()):

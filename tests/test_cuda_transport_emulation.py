@@ -272,6 +272,10 @@ def write_scenario(sc: Scenario, d: Path) -> None:
         f"replica_local {len(local)} " + " ".join(map(str, local)),
         "local_experts " + " ".join(str(pl.num_local_experts(r)) for r in range(w)),
     ]
+    for r in range(w if pl.choice is not None else 0):
+        choice_offset, choice = pl.choice_csr(r)
+        lines.append(f"choice_offset {r} {len(choice_offset)} " + " ".join(map(str, choice_offset)))
+        lines.append(f"choice {r} {len(choice)} " + " ".join(map(str, choice)))
     for r in range(w):
         lines.append(f"send {r} " + " ".join("1" if v == "staged" else "0" for v in plan[r]))
         lines.append(f"order {r} " + " ".join(map(str, C.send_order(case)[r])))
@@ -615,6 +619,8 @@ SCENARIOS = [
       placement="random", experts=16, seed=35),
     S("w4_fp16_ce_mixed", 4, "normal normal_raw", dtype="fp16", payload="fp8",
       copy_engine="mixed", transport="mixed", experts=16, topk=6, num_topk=6, seed=36),
+    # a replica choice table (pcie_a2a.balance): the kernels pick the rows' ranks from it
+    S("w4_choice_table", 4, "ll_em normal", experts=16, topk=4, placement="table", seed=44),
     S("w4_sparse_placement", 4, "ll_em normal ll_rows count_mismatch:2", placement="sparse",
       experts=12, max_tokens=20, seed=37),
     # eight ranks; the smallest rows (one 16-byte vector) and a single receive block; the
@@ -846,6 +852,13 @@ MUTATIONS = [
     # host: close() frees its segment without waiting for the peers' close marks
     ("cuda_transport.cu", "  bool all = close_marks_arrived(&missing);", "  bool all = true;",
      "w3_exit_without_close"),
+    # host: the replica choice table is not handed to the kernels (modulo rule instead)
+    (
+        "cuda_transport.cu",
+        "placement_.choice_offset = choice_offset.empty() ? nullptr : placement_dev_ + choice_at;",
+        "placement_.choice_offset = nullptr;",
+        "w4_choice_table",
+    ),
     # host: close() forgets a device buffer (the model lists what a rank still holds)
     ("cuda_transport.cu", "  (void)cudaFree(cnt_ws_);\n", "", "w1_bf16"),
     # host: the copy-engine transfer lands in the other parity's slots

@@ -35,6 +35,8 @@ CASES = [
     ("zipf-bf16-redundant-expert-major", "zipf", "redundant", "bf16", "ll_expert_major", ()),
     ("uniform-fp8-redundant-ll-rows", "uniform", "redundant", "fp8", "ll_rows", ()),
     ("all-empty-bf16-normal", "uniform", "contiguous", "bf16", "normal", "all"),
+    ("zipf-bf16-choice-table-normal", "zipf", "table", "bf16", "normal", ()),
+    ("uniform-fp8-choice-table-expert-major", "uniform", "table", "fp8", "ll_expert_major", ()),
 ]
 
 
@@ -110,7 +112,7 @@ def _run_case(rank, world, case, seed, backend="cpu"):
         for t in range(ids[rank].shape[0]):
             for e in ids[rank][t].tolist():
                 if e >= 0:
-                    exp_in_rank[t, pl.replica_for(e, rank * M + t)[0]] = True
+                    exp_in_rank[t, pl.replica_for(e, rank * M + t, rank)[0]] = True
         assert torch.equal(in_rank, exp_in_rank)
         assert per_rank.tolist() == exp_in_rank.sum(0).tolist()
         valid = ids[rank][ids[rank] >= 0]

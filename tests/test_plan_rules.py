@@ -36,7 +36,7 @@ REFUSED = [
     (Config(8, 1, 8, 8, "a2a-nccl"), "kimi-k2.6", 8, "vllm", "#42254"),
     (Config(8, ep=8, comm="pcie_a2a"), "kimi-k2.6", 8, "vllm", "--data-parallel-size > 1"),
     (Config(8, ep=8, comm="ag-rs"), "kimi-k2.6", 8, "sglang", "planned with DP attention"),
-    (Config(8, 1, 8, 8, "pcie_a2a", 16), "kimi-k2.6", 8, "both", "redundant"),
+    (Config(8, 1, 8, 8, "pcie_a2a", 16), "kimi-k2.6", 8, "vllm", "refuses EPLB / redundant"),
     (Config(8, ep=4, comm="allreduce"), "kimi-k2.6", 8, "vllm", "no MoE TP inside EP"),
     (Config(8, 1, 2, 8, "allreduce"), "kimi-k2.6", 8, "sglang", "the TP-attention layout"),
     (Config(8, 1, 2, 8, "allreduce"), "kimi-k2.6", 8, "vllm", "not all-reduce"),
@@ -59,6 +59,7 @@ ACCEPTED = [
     (Config(8, 1, 8, 8, "ag-rs"), "both"),
     (Config(8, 1, 4, 8, "pcie_a2a"), "both"),
     (Config(8, ep=8, comm="pcie_a2a"), "sglang"),  # TP attention: SGLang scatters the batch
+    (Config(8, 1, 8, 8, "pcie_a2a", 16), "sglang"),  # redundant experts through pcie_a2a
     (Config(4, 2), "both"),
     (Config(1, 8), "both"),
 ]
@@ -187,6 +188,15 @@ def test_launch_lines_for_pcie_a2a():
     assert "--enable-expert-parallel" in a and "--enforce-eager" in a
     assert a["--kv-cache-dtype"] == "fp8" and a["--max-model-len"] == "4096"
     assert "PCIE_A2A_MAX_TOKENS_PER_RANK=8192" in vl
+
+
+def test_pcie_a2a_launch_line_with_redundant_experts():
+    sg = launch.sglang(Config(8, 1, 8, 8, "pcie_a2a", 16), "m", 0, False, 8192)
+    a = _args(sg)
+    assert a["--moe-a2a-backend"] == "pcie" and a["--ep-num-redundant-experts"] == "16"
+    assert a["--init-expert-location"] == launch.PCIE_A2A_PLACEMENT_FILE
+    plain = _args(launch.sglang(Config(8, 1, 8, 8, "pcie_a2a"), "m", 0, False, 8192))
+    assert "--ep-num-redundant-experts" not in plain and "--init-expert-location" not in plain
 
 
 def test_launch_lines_without_pcie_a2a():

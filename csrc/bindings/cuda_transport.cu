@@ -108,7 +108,8 @@ PYBIND11_MODULE(_cuda_transport, m) {
       .def("probe_peers", &CudaTransport::probe_peers, py::arg("timeout_s"),
            py::call_guard<py::gil_scoped_release>())
       .def("set_placement", &CudaTransport::set_placement, py::arg("offset"), py::arg("rank"),
-           py::arg("local"), py::call_guard<py::gil_scoped_release>())
+           py::arg("local"), py::arg("choice_offset") = std::vector<int32_t>(),
+           py::arg("choice") = std::vector<int32_t>(), py::call_guard<py::gil_scoped_release>())
       .def("unlink_own", &CudaTransport::unlink_own)
       .def("close", &CudaTransport::close, py::call_guard<py::gil_scoped_release>())
       .def("close_imports", &CudaTransport::close_imports, py::call_guard<py::gil_scoped_release>())

@@ -23,24 +23,36 @@ T* ptr(uintptr_t p) {
 }
 
 // Owns a copy of the placement map so callers need not keep arrays alive.
+// choice_offset/choice: this rank's row of the replica choice table, or empty (routing.h).
 struct PlacementTable {
-  std::vector<int32_t> offset, rank, local;
+  std::vector<int32_t> offset, rank, local, choice_offset, choice;
   pa2a::Placement view() const {
     pa2a::Placement p;
     p.replica_offset = offset.data();
     p.replica_rank = rank.data();
     p.replica_local = local.data();
     p.num_experts = static_cast<int32_t>(offset.size()) - 1;
+    if (!choice_offset.empty()) {
+      p.choice_offset = choice_offset.data();
+      p.choice = choice.data();
+    }
     return p;
   }
 };
 
 PlacementTable make_placement(std::vector<int32_t> offset, std::vector<int32_t> rank,
-                              std::vector<int32_t> local, int32_t world) {
+                              std::vector<int32_t> local, int32_t world,
+                              std::vector<int32_t> choice_offset, std::vector<int32_t> choice) {
   PA2A_CHECK_ARG(rank.size() == local.size(), "placement rank/local arrays differ in length");
   pa2a::check_placement(offset.data(), offset.size(), rank.data(), local.data(), rank.size(),
                         world);
-  return PlacementTable{std::move(offset), std::move(rank), std::move(local)};
+  if (!choice_offset.empty())
+    pa2a::check_replica_choice(choice_offset.data(), choice_offset.size(), choice.data(),
+                               choice.size(), offset.data(), offset.size());
+  else
+    PA2A_CHECK_ARG(choice.empty(), "replica choice given without its offsets");
+  return PlacementTable{std::move(offset), std::move(rank), std::move(local),
+                        std::move(choice_offset), std::move(choice)};
 }
 
 }  // namespace
@@ -65,7 +77,8 @@ PYBIND11_MODULE(_transport, m) {
 
   py::class_<PlacementTable>(m, "Placement")
       .def(py::init(&make_placement), py::arg("offset"), py::arg("rank"), py::arg("local"),
-           py::arg("world"))
+           py::arg("world"), py::arg("choice_offset") = std::vector<int32_t>(),
+           py::arg("choice") = std::vector<int32_t>())
       .def_property_readonly("num_experts",
                              [](const PlacementTable& p) { return p.view().num_experts; });
 

@@ -18,6 +18,26 @@ void check_placement(const int32_t* offset, size_t num_offsets, const int32_t* r
                    " is out of range");
 }
 
+void check_replica_choice(const int32_t* choice_offset, size_t num_choice_offsets,
+                          const int32_t* choice, size_t num_choices, const int32_t* offset,
+                          size_t num_offsets) {
+  PA2A_CHECK_ARG(num_choice_offsets == num_offsets, "replica choice offsets: got ",
+                 num_choice_offsets, " entries, the placement has ", num_offsets,
+                 " (num_experts + 1)");
+  PA2A_CHECK_ARG(choice_offset[0] == 0 &&
+                     static_cast<size_t>(choice_offset[num_choice_offsets - 1]) == num_choices,
+                 "replica choice CSR arrays are inconsistent");
+  for (size_t e = 0; e + 1 < num_offsets; ++e)  // all bounds first: the loop below reads
+    PA2A_CHECK_ARG(choice_offset[e + 1] > choice_offset[e], "replica choice: expert ", e,
+                   " has no candidate");
+  for (size_t e = 0; e + 1 < num_offsets; ++e) {
+    for (int32_t j = choice_offset[e]; j < choice_offset[e + 1]; ++j)
+      PA2A_CHECK_ARG(choice[j] >= offset[e] && choice[j] < offset[e + 1], "replica choice: expert ",
+                     e, " names replica ", choice[j], ", not one of its replicas [", offset[e],
+                     ", ", offset[e + 1], ")");
+  }
+}
+
 void dispatch_layout(const int32_t* topk_ids, int32_t num_tokens, int32_t topk,
                      const Placement& placement, int32_t world, int32_t rank, int32_t max_tokens,
                      int32_t* tokens_per_rank, int32_t* tokens_per_expert,

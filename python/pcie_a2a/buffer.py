@@ -212,6 +212,7 @@ class Buffer:
         # receive kernel, ids are checked on the device, outputs are written whole, the
         # expert-major pre-reduction is fused into the push, statistics are the device's.
         self._device_side = False
+        self._load: torch.Tensor | None = None  # see expert_load()
         self._bootstrap()
         m = self.max_tokens_per_rank
         self._ll_row_base = torch.arange(self.world, dtype=torch.int64, device=self.device) * m
@@ -242,6 +243,7 @@ class Buffer:
             "payload": self.payload,
             "num_topk": self.num_topk,
             "placement": self.placement.replicas,
+            "replica_choice": self.placement.choice,
             "backend": self.backend,
             "wire_version": _native.transport().WIRE_VERSION,
         }
@@ -258,7 +260,7 @@ class Buffer:
         for key, mine in gathered[0][0].items():
             values = [g[0][key] for g in gathered]
             if any(v != mine for v in values):
-                shown = values if key != "placement" else "(differs)"
+                shown = values if key not in ("placement", "replica_choice") else "(differs)"
                 raise ValueError(
                     f"Buffer argument {key!r} differs between ranks: {shown}; "
                     "every rank must pass the same value"
@@ -398,6 +400,26 @@ class Buffer:
             "numa_bound": bool(getattr(self._transport, "numa_bound", False)),
         }
 
+    def expert_load(self) -> torch.Tensor:
+        """Tokens this rank sent to each global expert (``[num_experts]`` int64) in the
+        dispatch calls since the last call of this method, which starts a new count.
+
+        Counted where ``topk_ids`` live: on the host with the CPU backend, as a device
+        tensor with the CUDA backend (an ``index_add_`` on the call's stream, no host
+        synchronisation: the caller reads it when it wants the numbers). Replicas are not
+        told apart: these are logical (global) expert ids, what the balancer takes."""
+        load = self._load
+        if load is None:
+            load = torch.zeros(self.num_experts, dtype=torch.int64, device=self.device)
+        self._load = None
+        return load
+
+    def _count_load(self, ids: torch.Tensor) -> None:
+        if self._load is None:
+            self._load = torch.zeros(self.num_experts, dtype=torch.int64, device=ids.device)
+        flat = ids.reshape(-1)
+        self._load.index_add_(0, flat.clamp_min(0).long(), (flat >= 0).long())
+
     def _record(self) -> None:
         if self._device_side:  # the device keeps the statistics (see stats)
             return
@@ -436,7 +458,7 @@ class Buffer:
     def _placement_table(self):
         if not hasattr(self, "_placement_native"):
             self._placement_native = _native.transport().Placement(
-                *self.placement.csr(), self.world
+                *self.placement.csr(), self.world, *self.placement.choice_csr(self.rank)
             )
         return self._placement_native
 
@@ -631,6 +653,7 @@ class Buffer:
             send_token,
             send_count,
         )
+        self._count_load(ids)
         return x.shape[0], send_token, send_count
 
     def _check_options(self, layout: str, return_fp8: bool) -> None:

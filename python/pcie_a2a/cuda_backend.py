@@ -363,7 +363,7 @@ class CudaTransport:
         try:
             tx.open_peers(handles, plan[rank], [plan[s][rank] for s in range(world)],
                           self.send_order[rank], self.nonce)  # fmt: skip
-            tx.set_placement(*placement.csr())
+            tx.set_placement(*placement.csr(), *placement.choice_csr(rank))
         except Exception as exc:
             error = f"rank {rank}: {exc}"
         self._check_all(error, "opening peers")
@@ -459,7 +459,7 @@ class CudaTransport:
         for r, t in enumerate(out):
             t._native.open_local(natives, plan[r], [plan[s][r] for s in range(world)],
                                  t.send_order[r], t.nonce)  # fmt: skip
-            t._native.set_placement(*placement.csr())
+            t._native.set_placement(*placement.csr(), *placement.choice_csr(r))
             t._native.unlink_own()
         return out
 

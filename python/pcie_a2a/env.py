@@ -317,3 +317,20 @@ def allreduce_table() -> str | None:
     """PCIE_A2A_ALLREDUCE_TABLE: a `pcie-a2a bench --op allreduce` JSON whose measured
     crossover replaces the defaults for a matching world, dtype and backend."""
     return _get("PCIE_A2A_ALLREDUCE_TABLE")
+
+
+def balance_gpus() -> list[int] | None:
+    """PCIE_A2A_BALANCE_GPUS: the topology GPU of each EP rank of a node (``0,1,...``) for
+    the balancer inside a serving engine; None: rank r is GPU r."""
+    value = _get("PCIE_A2A_BALANCE_GPUS")
+    if value is None:
+        return None
+    try:
+        gpus = [int(v) for v in value.split(",")]
+    except ValueError:
+        gpus = []
+    if not gpus or min(gpus) < 0:
+        raise ValueError(
+            f"PCIE_A2A_BALANCE_GPUS={value!r}: expected comma-separated GPU indices >= 0"
+        )
+    return gpus

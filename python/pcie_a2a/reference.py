@@ -125,7 +125,7 @@ def reference_dispatch(
                 e = int(topk_ids[s][t, k])
                 if e < 0:
                     continue
-                r, local = placement.replica_for(e, s * max_tokens + t)
+                r, local = placement.replica_for(e, s * max_tokens + t, s)
                 per_rank.setdefault(r, []).append((local, float(topk_weights[s][t, k])))
             for r in sorted(per_rank):
                 rows[r].append((s, t, per_rank[r], x[t]))

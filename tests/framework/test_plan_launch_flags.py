@@ -21,6 +21,7 @@ CONFIGS = [
     Config(8, 1, 8, 8, "ag-rs"),
     Config(8, 1, 8, 8, "ag-rs", redundant=8),
     Config(8, 1, 4, 8, "pcie_a2a"),
+    Config(8, 1, 8, 8, "pcie_a2a", redundant=16),
 ]
 
 

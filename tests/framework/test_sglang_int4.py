@@ -252,3 +252,73 @@ def test_compressed_tensors_routed_to_moe_int4_mlp_with_scaling(model_root):
         assert res["scheme_awq"] == "AWQMoEScheme", res
         assert res["err_gptq"] <= 0.02 and res["err_awq"] <= 0.02, res
         assert res["freed_gptq"] and res["freed_awq"], res
+
+
+#: physical -> logical expert (8 experts + 2 redundant, 5 slots per rank): rank 1 holds
+#: second copies of experts 0 and 1, so its tokens for them stay on rank 1
+REDUNDANT_MAP = [0, 1, 2, 3, 4, 5, 6, 7, 0, 1]
+
+
+def _redundant_worker(rank: int, world: int, root: str) -> dict:
+    """Kimi K2's INT4 scheme with redundant experts and a placement file: SGLang loads
+    every physical copy, the plugin packs every local slot, SGLang's top-k emits physical
+    ids, and each rank's output equals the fp32 reference over the logical experts."""
+    import json
+
+    import sglang_blocks as sb
+    import torch
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.eplb import expert_location as el
+
+    from pcie_a2a.integrations import _common
+    from pcie_a2a.integrations.sglang.int4 import INT4_ATTR
+
+    sb.load_plugins_quietly()
+    sb.cpu_shims()
+    model_dir = os.path.join(root, "deepseek_v3")
+    placement = os.path.join(root, f"placement_{rank}.json")
+    with open(placement, "w") as f:
+        json.dump({"physical_to_logical_map": [REDUNDANT_MAP] * 2}, f)
+    extra = ["--ep-num-redundant-experts", "2", "--init-expert-location", placement]
+    args = sb.server_state(rank, world, model_dir, "pcie", True, extra)
+    el.set_global_expert_location_metadata(
+        el.compute_initial_expert_location_metadata(ModelConfig.from_server_args(args), rank)
+    )
+    cfg = sb.DEEPSEEK
+    hidden, inter, num = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["n_routed_experts"]
+    out: dict = {}
+    try:
+        weights = _experts(num, hidden, inter, seed=11, symmetric=True)
+        block, *_ = sb.build_block("deepseek_v3", quant_config=_ct_config())
+        sb.load_block(block, seed=4)
+        _load_int4(block.experts, weights, "compressed_tensors", "model.layers.1.mlp")
+        block.experts.quant_method.process_weights_after_loading(block.experts)
+        out["slots"] = getattr(block.experts, INT4_ATTR).num_experts
+        t = 6 if rank == 0 else 4
+        g = torch.Generator().manual_seed(70 + rank)
+        x = (torch.randn(t, hidden, generator=g) * 0.5).to(torch.bfloat16)
+        fb = sb.forward_batch([6, 4], t, True, hidden)
+        with torch.no_grad():
+            topk = block.topk(x, block.gate(x))
+            shared = block.shared_experts(x).float()
+        phys = topk.topk_ids.long()
+        out["physical_ids"] = sorted(set(phys.reshape(-1).tolist()))
+        logical = torch.tensor(REDUNDANT_MAP)[phys]
+        factor = cfg["routed_scaling_factor"]
+        want = _reference(x, topk.topk_weights, logical, weights, factor) + shared
+        got = _run_block(block, x, fb).float()
+        out["err"] = (got - want).abs().max().item() / want.abs().max().item()
+    finally:
+        _common.close_buffers()
+    return out
+
+
+def test_compressed_tensors_with_redundant_experts_and_a_placement_file(model_root):
+    outs = run_ok(WORLD, _redundant_worker, model_root, timeout=420)
+    for rank, res in enumerate(outs):
+        assert res["slots"] == len(REDUNDANT_MAP) // WORLD, res  # every local slot packed
+        assert res["err"] <= 0.02, (rank, res)
+        assert all(0 <= p < len(REDUNDANT_MAP) for p in res["physical_ids"]), res
+    # rank 1 sends its tokens for experts 0 and 1 to its own copies (physical 8 and 9)
+    assert {8, 9} & set(outs[1]["physical_ids"]), outs[1]
+    assert not {8, 9} & set(outs[0]["physical_ids"]), outs[0]

@@ -216,21 +216,25 @@ def _resolve_worker(rank: int, world: int, root: str, family: str, extra: list, 
     import sglang_blocks as sb
 
     sb.load_plugins_quietly()
-    from sglang.srt.arg_groups.overrides import resolved_view
-    from sglang.srt.model_executor.cuda_graph_config import Backend
-    from sglang.srt.server_args import prepare_server_args
-
-    from pcie_a2a.integrations.sglang.launch import capacity_tokens_per_rank
-
     lines: list[str] = []
 
     class Cap(logging.Handler):
         def emit(self, record):
             lines.append(record.getMessage())
 
-    logging.getLogger("pcie_a2a.integrations.sglang").addHandler(Cap())
+    cap = Cap()
+    logging.getLogger("pcie_a2a.integrations.sglang").addHandler(cap)
     logging.getLogger("pcie_a2a.integrations.sglang").setLevel(logging.INFO)
-    args = prepare_server_args(
+    try:
+        return _resolve(_args_of(root, family, extra), lines)
+    finally:  # each case sees its own lines only
+        logging.getLogger("pcie_a2a.integrations.sglang").removeHandler(cap)
+
+
+def _args_of(root: str, family: str, extra: list):
+    from sglang.srt.server_args import prepare_server_args
+
+    return prepare_server_args(
         [
             "--model-path",
             os.path.join(root, family),
@@ -244,6 +248,14 @@ def _resolve_worker(rank: int, world: int, root: str, family: str, extra: list, 
             *extra,
         ]
     )
+
+
+def _resolve(args, lines: list) -> dict:
+    from sglang.srt.arg_groups.overrides import resolved_view
+    from sglang.srt.model_executor.cuda_graph_config import Backend
+
+    from pcie_a2a.integrations.sglang.launch import capacity_tokens_per_rank
+
     try:
         args.resolve_once()
     except ValueError as exc:
@@ -258,6 +270,20 @@ def _resolve_worker(rank: int, world: int, root: str, family: str, extra: list, 
         "capacity": capacity_tokens_per_rank(args),
     }
 
+
+EPLB_OURS = ["--ep-num-redundant-experts", "4", "--eplb-algorithm", "pcie_a2a"]
+#: Kimi K2's checkpoint scheme (compressed-tensors W4A16): its layers run from packed INT4
+INT4_CT = {
+    "quant_method": "compressed-tensors",
+    "format": "pack-quantized",
+    "config_groups": {
+        "group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 4, "type": "int", "symmetric": True, "group_size": 32},
+        }
+    },
+    "ignore": ["lm_head"],
+}
 
 RESOLVE_CASES = [
     # (family, extra argv, env, expected error substring or None)
@@ -279,11 +305,14 @@ RESOLVE_CASES = [
     ("qwen3_moe", ["--chunked-prefill-size", "20000", "--enable-mixed-chunk"], {}, None),
     ("qwen3_moe", ["--enable-two-batch-overlap"], {}, "--enable-two-batch-overlap"),
     ("qwen3_moe", ["--enable-single-batch-overlap"], {}, "--enable-single-batch-overlap"),
-    ("qwen3_moe", ["--enable-eplb"], {}, "--enable-eplb"),
-    ("qwen3_moe", ["--ep-num-redundant-experts", "4"], {}, "--ep-num-redundant-experts 4"),
     ("qwen3_moe", ["--chunked-prefill-size", "-1"], {}, "--chunked-prefill-size -1"),
     ("qwen3_moe", [], {"PCIE_A2A_MAX_TOKENS_PER_RANK": "100"}, "PCIE_A2A_MAX_TOKENS_PER_RANK=100"),
     ("mixtral", [], {}, "MixtralForCausalLM"),
+    # EPLB and redundant experts: SGLang's physical ids, pcie_a2a's layout (docs/balance.md)
+    ("qwen3_moe", ["--enable-eplb"], {}, None),
+    ("qwen3_moe", [*EPLB_OURS, "--enable-eplb"], {}, None),
+    ("qwen3_moe_int4", ["--ep-num-redundant-experts", "4"], {}, None),
+    ("qwen3_moe_int4", [*EPLB_OURS, "--enable-eplb"], {}, "--enable-eplb with this compressed"),
 ]
 
 
@@ -306,6 +335,9 @@ def resolve_root(model_root):
         "torch_dtype": "bfloat16",
     }
     sb.write_model_dir(model_root, mixtral, "mixtral")
+    sb.write_model_dir(
+        model_root, dict(sb.QWEN3_MOE, quantization_config=INT4_CT), "qwen3_moe_int4"
+    )
     return model_root
 
 
@@ -341,3 +373,8 @@ def test_launch_refusals_name_the_flag(resolve_root):
     # (64 running requests are 32 per DP rank); with mixed chunks, chunk + 4096 decodes
     assert results[1]["ep"] == 4 and results[1]["capacity"] == 10000, results[1]
     assert results[2]["capacity"] == 20000 + 4096, results[2]
+    # accepted EPLB cases say how experts are placed; the plain case says nothing of it
+    eplb = {tuple(c[1]): r for c, r in zip(RESOLVE_CASES, results) if c[0] == "qwen3_moe"}
+    placed = "\n".join(eplb[(*EPLB_OURS, "--enable-eplb")]["lines"])
+    assert "4 redundant experts" in placed and "EPLB on, --eplb-algorithm pcie_a2a" in placed
+    assert "expert placement" not in text

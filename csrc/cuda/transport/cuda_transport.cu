@@ -422,11 +422,18 @@ std::vector<int32_t> CudaTransport::probe_peers(double timeout_s) {
 
 void CudaTransport::set_placement(const std::vector<int32_t>& offset,
                                   const std::vector<int32_t>& rank,
-                                  const std::vector<int32_t>& local) {
+                                  const std::vector<int32_t>& local,
+                                  const std::vector<int32_t>& choice_offset,
+                                  const std::vector<int32_t>& choice) {
   require_open("set_placement");
   PA2A_CHECK_ARG(rank.size() == local.size(), "placement rank/local arrays differ in length");
   check_placement(offset.data(), offset.size(), rank.data(), local.data(), rank.size(),
                   config_.world);
+  if (!choice_offset.empty())
+    check_replica_choice(choice_offset.data(), choice_offset.size(), choice.data(), choice.size(),
+                         offset.data(), offset.size());
+  PA2A_CHECK_ARG(!choice_offset.empty() || choice.empty(),
+                 "replica choice given without its offsets");
   DeviceGuard guard(device_);
   if (placement_dev_ != nullptr) {
     wait_own_work();  // a running kernel may read the old map
@@ -436,6 +443,8 @@ void CudaTransport::set_placement(const std::vector<int32_t>& offset,
   std::vector<int32_t> all(offset);
   all.insert(all.end(), rank.begin(), rank.end());
   all.insert(all.end(), local.begin(), local.end());
+  all.insert(all.end(), choice_offset.begin(), choice_offset.end());
+  all.insert(all.end(), choice.begin(), choice.end());
   PA2A_CUDA_CHECK(cudaMalloc(&placement_dev_, all.size() * sizeof(int32_t)));
   PA2A_CUDA_CHECK(
       cudaMemcpy(placement_dev_, all.data(), all.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
@@ -443,6 +452,10 @@ void CudaTransport::set_placement(const std::vector<int32_t>& offset,
   placement_.replica_rank = placement_dev_ + offset.size();
   placement_.replica_local = placement_dev_ + offset.size() + rank.size();
   placement_.num_experts = static_cast<int32_t>(offset.size()) - 1;
+  const size_t choice_at = offset.size() + rank.size() + local.size();
+  placement_.choice_offset = choice_offset.empty() ? nullptr : placement_dev_ + choice_at;
+  placement_.choice =
+      choice_offset.empty() ? nullptr : placement_dev_ + choice_at + choice_offset.size();
 }
 
 void CudaTransport::unlink_own() {

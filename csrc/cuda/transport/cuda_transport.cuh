@@ -113,8 +113,11 @@ class CudaTransport {
   // Every rank at once: status[s] for each source (0 ok, 1 nothing arrived within
   // timeout_s, 2 wrong bytes). Synchronises this transport's own stream.
   std::vector<int32_t> probe_peers(double timeout_s);
+  // choice_offset/choice: this rank's row of the replica choice table, or empty (routing.h).
   void set_placement(const std::vector<int32_t>& offset, const std::vector<int32_t>& rank,
-                     const std::vector<int32_t>& local);
+                     const std::vector<int32_t>& local,
+                     const std::vector<int32_t>& choice_offset = {},
+                     const std::vector<int32_t>& choice = {});
   void unlink_own();
   void close_imports();
   // true: every peer's close mark arrived within timeout_s (0: look once) and all memory

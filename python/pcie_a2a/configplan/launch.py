@@ -10,6 +10,10 @@ import shlex
 from .configs import Config
 from .memory import PCIE_A2A_MAX_TOKENS, a2a_tokens_per_rank
 
+#: where a pcie_a2a launch line with redundant experts reads its placement; written by
+#: ``pcie-a2a balance --load FILE --redundant N --sglang-out PCIE_A2A_PLACEMENT_FILE``
+PCIE_A2A_PLACEMENT_FILE = "init_expert_location.json"
+
 
 def _model_arg(model_id: str) -> str:
     return shlex.quote(model_id)
@@ -31,6 +35,9 @@ def sglang(cfg: Config, model_id: str, context: int, kv_fp8: bool, chunk: int) -
         per_rank = a2a_tokens_per_rank("sglang", cfg, chunk)
         if per_rank > PCIE_A2A_MAX_TOKENS:
             env.append(f"PCIE_A2A_MAX_TOKENS_PER_RANK={per_rank}")
+        if cfg.redundant:  # the placement file: `pcie-a2a balance --sglang-out` (docs/balance.md)
+            args += ["--ep-num-redundant-experts", str(cfg.redundant)]
+            args += ["--init-expert-location", PCIE_A2A_PLACEMENT_FILE]
     elif cfg.ep > 1:
         args += ["--ep-size", str(cfg.ep)]
         if cfg.redundant:

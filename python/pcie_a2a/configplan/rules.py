@@ -85,14 +85,10 @@ def sglang_reasons(cfg: Config) -> list[str]:
         out.append("all-reduce EP is the TP-attention layout; with DP attention it is AG/RS")
     if cfg.attn_dp > 1 and cfg.pp > 1:
         out.append("not planned: DP attention together with pipeline parallelism")
-    if cfg.comm == "pcie_a2a":
-        if cfg.ep != cfg.tp:
-            out.append("--moe-a2a-backend pcie sets ep_size = tp_size (docs/sglang.md)")
-        if cfg.redundant:
-            out.append(
-                "--moe-a2a-backend pcie refuses redundant experts: --ep-num-redundant-experts "
-                "must stay 0 (docs/sglang.md, known limits)"
-            )
+    # redundant experts are accepted under pcie: SGLang's physical ids with pcie_a2a's
+    # placement file or --eplb-algorithm pcie_a2a (integrations/sglang/launch.py)
+    if cfg.comm == "pcie_a2a" and cfg.ep != cfg.tp:
+        out.append("--moe-a2a-backend pcie sets ep_size = tp_size (docs/sglang.md)")
     return out
 
 
@@ -118,7 +114,10 @@ def vllm_reasons(cfg: Config) -> list[str]:
             "TP-only EP all-reduces (vllm fused_moe config.py use_all2all_kernels; docs/vllm.md)"
         )
     if cfg.comm == "pcie_a2a" and cfg.redundant:
-        out.append("PCIE_A2A_VLLM=1 refuses EPLB / redundant experts (docs/vllm.md, known limits)")
+        out.append(
+            "PCIE_A2A_VLLM=1 refuses EPLB / redundant experts: vLLM 0.33's EPLB policy is "
+            "fixed ('default'), with no hook for pcie_a2a's placement (docs/vllm.md)"
+        )
     return out
 
 

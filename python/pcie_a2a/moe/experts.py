@@ -17,6 +17,8 @@ optional host-side estimate of the rows per active expert (it may pick a larger 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -53,6 +55,22 @@ class Experts(nn.Module):
 
     def forward(self, x, topk_ids, topk_weights):
         return self.forward_rows(x, topk_ids, topk_weights)
+
+    # -- moving experts between ranks (MoE.rebalance) -------------------------------------
+    def expert_tensors(self) -> list[torch.Tensor]:
+        """Every tensor that holds expert weights, each ``[num_local_experts, ...]``: local
+        expert ``l`` is ``[t[l] for t in expert_tensors()]``."""
+        raise NotImplementedError(
+            f"{type(self).__name__} does not implement expert_tensors()/with_expert_tensors(), "
+            "so its experts cannot be moved between ranks"
+        )
+
+    def with_expert_tensors(self, tensors: list[torch.Tensor]) -> Experts:
+        """A new object of this kind holding ``tensors`` (as :meth:`expert_tensors` lists
+        them, any number of experts)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} does not implement expert_tensors()/with_expert_tensors()"
+        )
 
     def _check_rows(self, x, topk_ids, topk_weights) -> None:
         if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != self.hidden:
@@ -141,6 +159,16 @@ class BF16Experts(Experts):
             self.w13[local, i:].copy_(up)
             self.w2[local].copy_(down)
 
+    def expert_tensors(self) -> list[torch.Tensor]:
+        return [self.w13.data, self.w2.data]
+
+    def with_expert_tensors(self, tensors: list[torch.Tensor]) -> BF16Experts:
+        w13, w2 = tensors
+        out = BF16Experts(w13.shape[0], self.hidden, self.intermediate, self.dtype)
+        out.w13 = nn.Parameter(w13.to(self.w13.device), requires_grad=False)
+        out.w2 = nn.Parameter(w2.to(self.w2.device), requires_grad=False)
+        return out
+
     def forward_rows(self, x, topk_ids, topk_weights, *, rows_per_expert=None):
         self._check_rows(x, topk_ids, topk_weights)
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
@@ -177,6 +205,24 @@ class Int4Experts(Experts):
         device = fn(torch.empty(0, device=self.packed.w13.qweight.device)).device
         self.packed = self.packed.to(device)
         return super()._apply(fn, recurse)
+
+    _FIELDS = ("qweight", "scales", "zeros", "k_perm", "k_perm_inv")
+
+    def _present(self, w) -> list[str]:
+        return [f for f in self._FIELDS if getattr(w, f) is not None]
+
+    def expert_tensors(self) -> list[torch.Tensor]:
+        p = self.packed
+        return [getattr(p.w13, f) for f in self._present(p.w13)] + [
+            getattr(p.w2, f) for f in self._present(p.w2)
+        ]
+
+    def with_expert_tensors(self, tensors: list[torch.Tensor]) -> Int4Experts:
+        p = self.packed
+        n13 = len(self._present(p.w13))
+        w13 = dataclasses.replace(p.w13, **dict(zip(self._present(p.w13), tensors[:n13])))
+        w2 = dataclasses.replace(p.w2, **dict(zip(self._present(p.w2), tensors[n13:])))
+        return Int4Experts(PackedInt4Experts(w13, w2))
 
     def forward_rows(self, x, topk_ids, topk_weights, *, rows_per_expert=None):
         self._check_rows(x, topk_ids, topk_weights)

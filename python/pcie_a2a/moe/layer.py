@@ -71,6 +71,9 @@ class MoE(nn.Module):
         low_latency_max_tokens: the auto threshold (default ``min(128, max_tokens_per_rank)``).
         sync_num_tokens: without ``max_num_tokens``, find the group's largest batch with
             an ``all_reduce(MAX)`` (True) or assume every rank has this rank's (False).
+        load_window: how many forwards :meth:`expert_load` sums (the tokens this rank
+            routed to each global expert; a ring of per-forward counts where the router's
+            ids live, no host synchronisation until read).
 
     Input ``x [..., H]`` in the experts' dtype (bf16/fp16); output the same shape and dtype.
     Without a Buffer and without ``local=True``, a Buffer is created when
@@ -94,8 +97,14 @@ class MoE(nn.Module):
         mode: str = "auto",
         low_latency_max_tokens: int | None = None,
         sync_num_tokens: bool = True,
+        load_window: int = 1000,
     ):
         super().__init__()
+        if not isinstance(load_window, int) or isinstance(load_window, bool) or load_window < 1:
+            raise _fail(ValueError, "load_window", repr(load_window), "an int >= 1")
+        self.load_window = load_window
+        self._load_ring: torch.Tensor | None = None  # [load_window, E] int64
+        self._load_pos = 0
         if not isinstance(router, Router):
             raise _fail(TypeError, "router", type(router).__name__, "pcie_a2a.moe.Router")
         if not isinstance(experts, Experts):
@@ -270,9 +279,14 @@ class MoE(nn.Module):
                 f"an int >= this rank's token count {t}",
             )
         ids, weights = self.router(x2)
+        if self.buffer is not None:
+            self.buffer.expert_load()  # start this forward's count (drop other users' calls)
         if self.buffer is None:
             self.last_mode = "local"
             routed = self.experts.forward_rows(x2, ids, weights)
+            flat = ids.reshape(-1)
+            counts = torch.zeros(self.num_experts, dtype=torch.int64, device=ids.device)
+            self._record_load(counts.index_add_(0, flat.clamp_min(0).long(), (flat >= 0).long()))
         else:
             group_max = (
                 max_num_tokens
@@ -285,6 +299,7 @@ class MoE(nn.Module):
                 routed = self._low_latency(x2, ids, weights)
             else:
                 routed = self._normal(x2, ids, weights, group_max)
+            self._record_load(self.buffer.expert_load())
         if self.shared_expert is not None:
             out = (routed.float() + self.shared_expert.forward_fp32(x2)).to(x.dtype)
         else:
@@ -316,6 +331,81 @@ class MoE(nn.Module):
             )
             outs.append(buf.combine(y.contiguous(), recv.handle))
         return outs[0] if chunks == 1 else torch.cat(outs)
+
+    # ---- expert load and rebalancing ---------------------------------------------------------
+    def _record_load(self, counts: torch.Tensor) -> None:
+        if self._load_ring is None or self._load_ring.device != counts.device:
+            self._load_ring = torch.zeros(
+                self.load_window, self.num_experts, dtype=torch.int64, device=counts.device
+            )
+        self._load_ring[self._load_pos % self.load_window].copy_(counts)
+        self._load_pos += 1
+
+    def expert_load(self) -> torch.Tensor:
+        """Tokens this rank routed to each global expert over the last ``load_window``
+        forwards (``[num_experts]`` int64, CPU)."""
+        if self._load_ring is None:
+            return torch.zeros(self.num_experts, dtype=torch.int64)
+        return self._load_ring.sum(dim=0).cpu()
+
+    def gather_expert_load(self) -> torch.Tensor:
+        """Every rank's :meth:`expert_load`, ``[world, num_experts]`` (collective over the
+        layer's group): the loads and per-source shares ``pcie_a2a.balance`` takes."""
+        mine = self.expert_load()
+        if self.buffer is None:
+            return mine[None]
+        out: list = [None] * self.world
+        dist.all_gather_object(out, mine.tolist(), group=self.buffer.group)
+        return torch.tensor(out, dtype=torch.int64)
+
+    def rebalance(self, placement: Placement) -> None:
+        """Moves this layer's experts to ``placement`` (collective: every rank of the group
+        calls it between forwards with the same placement). The weights move rank to rank
+        through the process group (pcie_a2a.moe.rebalance); then the layer switches to a
+        new Buffer of that placement, so no call sees a mix of old and new. On any error
+        every rank raises and the old placement stays. The layer must own its Buffer (a
+        Buffer shared by several layers has one placement for all of them)."""
+        from .rebalance import move_experts
+
+        if self.buffer is None:
+            raise ValueError("MoE.rebalance: this layer runs without a Buffer (one rank)")
+        if not self._owns_buffer:
+            raise ValueError(
+                "MoE.rebalance: the layer was given its Buffer (placement=... of a Buffer is "
+                "fixed, and it may serve other layers); let each layer create its own"
+            )
+        if not isinstance(placement, Placement):
+            placement = Placement(placement, self.world)
+        if placement.num_experts != self.num_experts or placement.world != self.world:
+            raise _fail(
+                ValueError,
+                "placement",
+                f"{placement.num_experts} experts on {placement.world} ranks",
+                f"{self.num_experts} experts on {self.world} ranks",
+            )
+        buf = self.buffer
+        busy = None
+        if buf._pending_hook is not None:
+            busy = f"the receive hook of {buf._pending_hook[0]} has not been called"
+        elif placement.num_local_experts(self.rank) < 1:
+            busy = "the new placement leaves this rank no expert"
+        experts = move_experts(self.experts, self.placement, placement, self.rank, buf.group, busy)
+        new_buf = Buffer(
+            buf.group,
+            buf.num_experts,
+            buf.hidden,
+            buf.max_tokens_per_rank,
+            dtype=buf.dtype,
+            payload=buf.payload,
+            placement=placement,
+            backend=buf.backend,
+            timeout_s=buf.timeout_s,
+            num_topk=buf.num_topk,
+        )
+        self.experts = experts
+        self.buffer = new_buf
+        self.placement = placement
+        buf.close()  # every rank is past its last call on it (the agreement above)
 
     def extra_repr(self) -> str:
         return (

@@ -13,6 +13,7 @@
 // emulation.py):
 //   config W H M K PAYLOAD DTYPE REGION_MB      WireConfig codes, arena MiB per rank
 //   offset N v..  /  replica_rank N v..  /  replica_local N v..   placement CSR
+//   choice_offset R N v..  /  choice R N v..    rank R's replica choice row (optional)
 //   local_experts v.. (W)                       num_local_experts per rank
 //   send R v.. (W)                              rank R's pair plan: 0 P2P, 1 staged
 //   order R v.. (W)                             rank R's send order
@@ -80,7 +81,7 @@ struct Case {
   pa2a::WireConfig cfg;
   size_t region_bytes = 64u << 20;
   std::vector<int32_t> offset, replica_rank, replica_local, local;
-  std::vector<std::vector<int32_t>> send, order;
+  std::vector<std::vector<int32_t>> send, order, choice_offset, choice;
   std::vector<Step> steps;
   bool inprocess = false;
   int32_t max_recv_blocks = 0;
@@ -115,12 +116,19 @@ Case read_case() {
       c.region_bytes = static_cast<size_t>(mb) << 20;
       c.send.assign(w, {});
       c.order.assign(w, {});
+      c.choice_offset.assign(w, {});
+      c.choice.assign(w, {});
     } else if (key == "offset" || key == "replica_rank" || key == "replica_local") {
       size_t n;
       in >> n;
       (key == "offset"         ? c.offset
        : key == "replica_rank" ? c.replica_rank
                                : c.replica_local) = read_ints(in, n);
+    } else if (key == "choice_offset" || key == "choice") {
+      int r;
+      size_t n;
+      in >> r >> n;
+      (key == "choice" ? c.choice : c.choice_offset).at(r) = read_ints(in, n);
     } else if (key == "local_experts") {
       c.local = read_ints(in, w);
     } else if (key == "send" || key == "order") {
@@ -828,7 +836,7 @@ int run_rank(const Case& c, int r, const std::string& prefix) {
     std::vector<std::string> handles(W);
     for (int s = 0; s < W; ++s) handles[s].assign(scratch->handles[s], 64);
     tx.open_peers(handles, c.send[r], recv_plan(c, r), c.order[r], kNonce);
-    tx.set_placement(c.offset, c.replica_rank, c.replica_local);
+    tx.set_placement(c.offset, c.replica_rank, c.replica_local, c.choice_offset[r], c.choice[r]);
     const std::vector<int32_t> probe = tx.probe_peers(c.probe_s);
     log_probe(r, probe);
     bool ok = true;
@@ -868,7 +876,7 @@ int run_inprocess(const Case& c, const std::string& prefix) {
     }
     for (int r = 0; r < W; ++r) {
       txs[r]->open_local(peers, c.send[r], recv_plan(c, r), c.order[r], kNonce);
-      txs[r]->set_placement(c.offset, c.replica_rank, c.replica_local);
+      txs[r]->set_placement(c.offset, c.replica_rank, c.replica_local, c.choice_offset[r], c.choice[r]);
       txs[r]->unlink_own();
     }
     std::vector<cudaStream_t> streams(W);

@@ -244,9 +244,24 @@ def convert_layer(scheme: Any, layer: Any):
     return experts
 
 
+def _eplb_enabled() -> bool:
+    try:
+        from sglang.srt.runtime_context import get_exec
+
+        return bool(get_exec().moe.enable_eplb)
+    except Exception:  # no published server config (offline use): no runtime EPLB
+        return False
+
+
 def _process_weights_after_loading(original, self: Any, layer: Any, *a, **k):
     if not _ours(layer):
         return original(self, layer, *a, **k)
+    if _eplb_enabled():  # launch.py refuses this first; a second line before serving
+        raise ValueError(
+            "pcie_a2a: --enable-eplb with an INT4 MoE layer under --moe-a2a-backend pcie: "
+            "SGLang's expert weight mover would not update pcie_a2a's packed experts; use "
+            "--init-expert-location instead (docs/balance.md)"
+        )
     if getattr(layer, INT4_ATTR, None) is None:
         convert_layer(self, layer)
     return None

@@ -12,9 +12,17 @@ Adjusted (with a log line each):
 * shared-experts fusion off (``--disable-shared-experts-fusion``): the shared expert runs
   as its own replicated MLP on every rank (see ``models.py``).
 
-Refused: an unvalidated model architecture, two-batch / single-batch overlap, EPLB and
-redundant experts, chunked prefill turned off, a ``PCIE_A2A_MAX_TOKENS_PER_RANK`` below
-what the server's own limits let one rank pass to one MoE call.
+Accepted: redundant experts (``--ep-num-redundant-experts``), ``--init-expert-location``
+and ``--enable-eplb``: SGLang's top-k hands the dispatcher *physical* expert ids and the
+Buffer places physical expert ``p`` on EP rank ``p // local``, SGLang's own layout, so
+SGLang's placements and weight moves apply unchanged; ``--eplb-algorithm pcie_a2a`` picks
+pcie_a2a's balancer (``eplb.py``, docs/balance.md).
+
+Refused: an unvalidated model architecture, two-batch / single-batch overlap,
+``--enable-eplb`` on an INT4 checkpoint (its layers run from pcie_a2a's packed copy, which
+SGLang's weight mover does not update), chunked prefill turned off, a
+``PCIE_A2A_MAX_TOKENS_PER_RANK`` below what the server's own limits let one rank pass to
+one MoE call.
 """
 
 from __future__ import annotations
@@ -76,6 +84,29 @@ def capacity_tokens_per_rank(server_args: Any) -> int:
     return env.max_tokens_per_rank(required)
 
 
+#: quantization methods whose MoE schemes ``int4.py`` converts to PackedInt4Experts
+_INT4_METHODS = ("gptq", "gptq_marlin", "awq", "awq_marlin")
+
+
+def int4_checkpoint(server_args: Any) -> str | None:
+    """The quantization method when the MoE layers will run from pcie_a2a's packed INT4
+    copy (``int4.py``: GPTQ, AWQ, compressed-tensors weight-only int), else None."""
+    from sglang.srt.arg_groups.overrides import model_config_of
+
+    qc = getattr(model_config_of(server_args).hf_config, "quantization_config", None) or {}
+    if not isinstance(qc, dict):
+        qc = getattr(qc, "to_dict", lambda: {})()
+    method = getattr(_view(server_args), "quantization", None) or qc.get("quant_method")
+    if method in _INT4_METHODS:
+        return method
+    if method == "compressed-tensors":
+        for group in (qc.get("config_groups") or {}).values():
+            w = group.get("weights") or {}
+            if w.get("type") == "int" and not group.get("input_activations"):
+                return method  # WNA16: CompressedTensorsWNA16MoE
+    return None
+
+
 def _refuse(flag: str, why: str) -> None:
     raise ValueError(f"pcie_a2a: {flag} is not supported with --moe-a2a-backend pcie: {why}")
 
@@ -107,17 +138,15 @@ def validate(server_args: Any) -> list[str]:
             "--enable-single-batch-overlap",
             "combine cannot overlap the down projection in this release",
         )
-    if view.enable_eplb:
-        _refuse("--enable-eplb", "expert rebalancing has not been tested end to end here")
-    if view.ep_num_redundant_experts:
+    int4 = int4_checkpoint(server_args)
+    if view.enable_eplb and int4:
         _refuse(
-            f"--ep-num-redundant-experts {view.ep_num_redundant_experts}",
-            "redundant (physical) experts have not been tested end to end here",
-        )
-    if view.init_expert_location not in (None, "", "trivial"):
-        _refuse(
-            f"--init-expert-location {view.init_expert_location}",
-            "only SGLang's trivial (contiguous) expert placement is supported",
+            f"--enable-eplb with this {int4} INT4 checkpoint",
+            "its MoE layers run from pcie_a2a's packed copy of the experts "
+            "(PackedInt4Experts), which SGLang's expert weight mover does not update; place "
+            "the experts at start instead: --ep-num-redundant-experts N --init-expert-location "
+            "FILE (from `pcie-a2a balance --sglang-out FILE`, or a logical_count file with "
+            "--eplb-algorithm pcie_a2a), docs/balance.md",
         )
     if view.disaggregation_mode != "decode" and (view.chunked_prefill_size or 0) <= 0:
         _refuse(
@@ -149,6 +178,15 @@ def validate(server_args: Any) -> list[str]:
         say(
             "pcie_a2a: CUDA graphs are disabled (prefill and decode) under "
             "--moe-a2a-backend pcie: dispatch reads per-rank token counts on the host"
+        )
+    placed = view.init_expert_location not in (None, "", "trivial")
+    if view.ep_num_redundant_experts or placed or view.enable_eplb:
+        say(
+            f"pcie_a2a: expert placement from SGLang ({view.ep_num_redundant_experts or 0} "
+            f"redundant experts, --init-expert-location {view.init_expert_location or 'trivial'}"
+            f", EPLB {'on' if view.enable_eplb else 'off'}, --eplb-algorithm "
+            f"{view.eplb_algorithm}): physical expert p runs on EP rank p // "
+            "(physical experts / EP size)"
         )
     say(
         f"pcie_a2a: --moe-a2a-backend pcie active: EP over the TP group ({view.tp_size} "

@@ -210,6 +210,9 @@ def register() -> None:
     from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
 
     register_resolution_hook("handle_a2a_moe")(launch.handle_a2a_moe)
+    from pcie_a2a.integrations.sglang.eplb import register_eplb  # EPLB: docs/balance.md
+
+    register_eplb()
     _registered = True
     logger.info(
         "pcie_a2a SGLang backend registered (sglang %s): select it with "
