@@ -876,7 +876,8 @@ int run_inprocess(const Case& c, const std::string& prefix) {
     }
     for (int r = 0; r < W; ++r) {
       txs[r]->open_local(peers, c.send[r], recv_plan(c, r), c.order[r], kNonce);
-      txs[r]->set_placement(c.offset, c.replica_rank, c.replica_local, c.choice_offset[r], c.choice[r]);
+      txs[r]->set_placement(c.offset, c.replica_rank, c.replica_local, c.choice_offset[r],
+                            c.choice[r]);
       txs[r]->unlink_own();
     }
     std::vector<cudaStream_t> streams(W);
