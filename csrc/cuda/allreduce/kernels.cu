@@ -8,6 +8,12 @@
 #include "cuda/allreduce/two_shot.cuh"
 #include "cuda/transport/launch.cuh"
 
+namespace {
+// Plain launches: the all-reduce kernels do not call cudaGridDependencySynchronize, so a
+// programmatic dependent launch could start them before the kernel that wrote the input.
+constexpr bool kNoPdl = false;
+}  // namespace
+
 namespace pa2a::ar {
 namespace {
 
@@ -57,21 +63,25 @@ void launch_all_reduce(const KernelArgs& k, Algo algo, const CallPtrs& c, cudaSt
   if (algo == Algo::kOneShot) {
     const dim3 grid(static_cast<unsigned>(one_shot_blocks(nvec)));
     if (bf16)
-      pa2a::cuda::launch_kernel(one_shot_kernel<DType::kBF16>, grid, block, 0, stream, k, c);
+      pa2a::cuda::launch_kernel(one_shot_kernel<DType::kBF16>, grid, block, 0, stream, kNoPdl, k,
+                                c);
     else
-      pa2a::cuda::launch_kernel(one_shot_kernel<DType::kFP16>, grid, block, 0, stream, k, c);
+      pa2a::cuda::launch_kernel(one_shot_kernel<DType::kFP16>, grid, block, 0, stream, kNoPdl, k,
+                                c);
   } else {
     PA2A_CHECK_ARG(algo == Algo::kTwoShot, "algo must be one-shot (1) or two-shot (2)");
     const dim3 grid(static_cast<unsigned>(two_shot_blocks(nvec, k.cfg.world)));
     if (bf16)
-      pa2a::cuda::launch_kernel(two_shot_kernel<DType::kBF16>, grid, block, 0, stream, k, c);
+      pa2a::cuda::launch_kernel(two_shot_kernel<DType::kBF16>, grid, block, 0, stream, kNoPdl, k,
+                                c);
     else
-      pa2a::cuda::launch_kernel(two_shot_kernel<DType::kFP16>, grid, block, 0, stream, k, c);
+      pa2a::cuda::launch_kernel(two_shot_kernel<DType::kFP16>, grid, block, 0, stream, kNoPdl, k,
+                                c);
   }
 }
 
 void launch_abort(const KernelArgs& k, cudaStream_t stream) {
-  pa2a::cuda::launch_kernel(abort_kernel, dim3(1), dim3(kThreads), 0, stream, k);
+  pa2a::cuda::launch_kernel(abort_kernel, dim3(1), dim3(kThreads), 0, stream, kNoPdl, k);
 }
 
 void launch_rmsnorm(DType dtype, const void* r, const void* residual, const void* weight,
@@ -88,11 +98,11 @@ void launch_rmsnorm(DType dtype, const void* r, const void* residual, const void
   auto* ro = static_cast<uint4*>(residual_out);
   const dim3 grid(static_cast<unsigned>(rows)), block(kNormThreads);
   if (dtype == DType::kBF16)
-    pa2a::cuda::launch_kernel(rmsnorm_kernel<DType::kBF16>, grid, block, 0, stream, rv, res, w,
-                              hidden, eps, nv, ro);
+    pa2a::cuda::launch_kernel(rmsnorm_kernel<DType::kBF16>, grid, block, 0, stream, kNoPdl, rv, res,
+                              w, hidden, eps, nv, ro);
   else if (dtype == DType::kFP16)
-    pa2a::cuda::launch_kernel(rmsnorm_kernel<DType::kFP16>, grid, block, 0, stream, rv, res, w,
-                              hidden, eps, nv, ro);
+    pa2a::cuda::launch_kernel(rmsnorm_kernel<DType::kFP16>, grid, block, 0, stream, kNoPdl, rv, res,
+                              w, hidden, eps, nv, ro);
   else
     PA2A_THROW(kValue, "dtype must be bfloat16 or float16");
 }

@@ -11,7 +11,8 @@ namespace pa2a::cuda {
 
 template <typename... Params, typename... Args>
 void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
-                   cudaStream_t stream, Args&&... args) {
+                   cudaStream_t stream, bool pdl, Args&&... args) {
+  (void)pdl;  // the model runs one grid at a time: there is no overlap to allow or forbid
   emu_rt::launch(grid, block, smem, stream, [&] { kernel(args...); });
 }
 
