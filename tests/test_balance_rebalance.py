@@ -8,6 +8,7 @@ every rank and changes nothing."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 import torch.nn.functional as F
 from test_moe_layer import KIMI_SMALL, KIMI_SMALL_INT4, _Dense, _route
@@ -136,3 +137,24 @@ def test_rebalance_int4_experts_against_dense_reference():
     results = run_ok(WORLD, _rank, KIMI_SMALL_INT4, 12, timeout=300)
     assert results[0]["experts_kind"] == "Int4Experts"
     _check(KIMI_SMALL_INT4, 12, results)
+
+
+def test_buffer_counts_expert_load_only_when_asked():
+    """Off by default (the low-latency path's launch budget); on, ids outside the experts are
+    left out instead of indexing with them."""
+    from pcie_a2a import Buffer
+
+    buf = Buffer.__new__(Buffer)  # only the counting state: no transport needed
+    buf.num_experts, buf.device, buf.count_expert_load, buf._load = (
+        8,
+        torch.device("cpu"),
+        False,
+        None,
+    )
+    buf._count_load(torch.tensor([[0, 1]]))
+    with pytest.raises(RuntimeError, match="count_expert_load = True"):
+        buf.expert_load()
+    buf.count_expert_load = True
+    buf._count_load(torch.tensor([[0, 1], [1, -1], [7, 8], [99, 3]]))
+    assert buf.expert_load().tolist() == [1, 2, 0, 1, 0, 0, 0, 1]
+    assert buf.expert_load().tolist() == [0] * 8  # reading starts a new count

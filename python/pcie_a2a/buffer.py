@@ -212,6 +212,10 @@ class Buffer:
         # receive kernel, ids are checked on the device, outputs are written whole, the
         # expert-major pre-reduction is fused into the push, statistics are the device's.
         self._device_side = False
+        # Off by default: counting costs a few elementwise launches per dispatch, which the
+        # low-latency path (0 host syncs, 4 launches) does not pay unless asked. The MoE
+        # layer turns it on for its load window.
+        self.count_expert_load = False
         self._load: torch.Tensor | None = None  # see expert_load()
         self._bootstrap()
         m = self.max_tokens_per_rank
@@ -407,7 +411,14 @@ class Buffer:
         Counted where ``topk_ids`` live: on the host with the CPU backend, as a device
         tensor with the CUDA backend (an ``index_add_`` on the call's stream, no host
         synchronisation: the caller reads it when it wants the numbers). Replicas are not
-        told apart: these are logical (global) expert ids, what the balancer takes."""
+        told apart: these are logical (global) expert ids, what the balancer takes.
+        Needs ``count_expert_load = True`` (off by default; it adds three elementwise
+        launches to every dispatch); ids outside ``[0, num_experts)`` are not counted."""
+        if not self.count_expert_load:
+            raise RuntimeError(
+                "Buffer.expert_load(): counting is off; set buffer.count_expert_load = True "
+                "before the dispatch calls to be counted (the MoE layer does)"
+            )
         load = self._load
         if load is None:
             load = torch.zeros(self.num_experts, dtype=torch.int64, device=self.device)
@@ -415,10 +426,14 @@ class Buffer:
         return load
 
     def _count_load(self, ids: torch.Tensor) -> None:
+        if not self.count_expert_load:
+            return
         if self._load is None:
             self._load = torch.zeros(self.num_experts, dtype=torch.int64, device=ids.device)
-        flat = ids.reshape(-1)
-        self._load.index_add_(0, flat.clamp_min(0).long(), (flat >= 0).long())
+        flat = ids.reshape(-1).long()
+        # Bad ids are the transport's to report (on the device for CUDA): never index with one.
+        valid = (flat >= 0) & (flat < self.num_experts)
+        self._load.index_add_(0, flat * valid, valid.long())
 
     def _record(self) -> None:
         if self._device_side:  # the device keeps the statistics (see stats)

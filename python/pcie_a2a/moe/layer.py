@@ -173,6 +173,7 @@ class MoE(nn.Module):
             if not isinstance(buffer, Buffer):
                 raise _fail(TypeError, "buffer", type(buffer).__name__, "a pcie_a2a.Buffer")
             self.buffer = buffer
+            buffer.count_expert_load = True  # the load window reads it every forward
             self.rank, self.world = buffer.rank, buffer.world
             self.placement = buffer.placement
             cap = buffer.max_tokens_per_rank
@@ -404,6 +405,7 @@ class MoE(nn.Module):
         )
         self.experts = experts
         self.buffer = new_buf
+        new_buf.count_expert_load = True
         self.placement = placement
         buf.close()  # every rank is past its last call on it (the agreement above)
 
