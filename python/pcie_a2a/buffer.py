@@ -127,7 +127,8 @@ class Buffer:
         pair_direction: ``[world][world]`` of ``"push"``/``"pull"``, sender first (as
             ``RankPlan.pair_direction``): how the rows of each ordered pair move, in dispatch
             (token's rank -> expert's rank) and combine (expert's rank -> token's rank).
-            Default: every pair pushes. Pull runs on the CPU transport only so far.
+            Default (None or empty): every pair pushes. Pull runs on the CPU transport
+            only so far.
     """
 
     def __init__(
@@ -998,8 +999,8 @@ def _release(transport, names: list[str]) -> None:
 
 
 def _check_pair_direction(direction: Any, world: int) -> tuple[tuple[str, ...], ...]:
-    if direction is None:
-        return tuple(("push",) * world for _ in range(world))
+    if direction is None or (isinstance(direction, (list, tuple)) and len(direction) == 0):
+        return tuple(("push",) * world for _ in range(world))  # RankPlan's "no decision"
     rows = [list(r) for r in direction] if isinstance(direction, (list, tuple)) else None
     if rows is None or len(rows) != world or any(len(r) != world for r in rows):
         raise _fail(
