@@ -191,9 +191,26 @@ def _cases_with(rank, world, direction):
     return done
 
 
-@pytest.mark.parametrize("world, kind", [(2, "all_pull"), (4, "mixed")])
-def test_mixed_push_pull_pairs_match_reference(world, kind):
-    direction = _all_pull(world) if kind == "all_pull" else _mixed(world, seed=world)
+def _planned(monkeypatch):
+    """The planner's own per-pair decisions for the 4x L40S fixture, with PCIE_A2A_PAIRS
+    pulling some P2P pairs (one pair pulled one way and pushed the other; staged pairs
+    push): what a Buffer built from RankPlan.pair_direction receives."""
+    from pcie_a2a.topology import PlanOptions, load, plan
+    from pcie_a2a.topology.ranks import plan_ranks
+    from topology_fixtures import FIXTURES
+
+    monkeypatch.setenv("PCIE_A2A_PAIRS", "0-1:pull,1-0:push,2-3:pull,3-2:pull,1-3:pull")
+    topo = load(FIXTURES / "4x-l40s-dual-socket.topo.txt")
+    p = plan(topo, options=PlanOptions.from_env())
+    rp = plan_ranks(topo, p, [f"0000:{0x01 + 0x20 * i:02x}:00.0" for i in range(4)])
+    assert rp.pair_direction[0][1] == "pull" and rp.pair_direction[1][0] == "push"
+    assert rp.pair_direction[1][3] == "push"  # a staged pair pushes
+    return rp.pair_direction
+
+
+@pytest.mark.parametrize("world, kind", [(2, "all_pull"), (4, "planned")])
+def test_mixed_push_pull_pairs_match_reference(world, kind, monkeypatch):
+    direction = _all_pull(world) if kind == "all_pull" else _planned(monkeypatch)
     results = run_ok(world, _cases_with, direction, timeout=300)
     assert all(r == [c[0] for c in CASES] for r in results)
 
