@@ -22,8 +22,8 @@
 // its own pull send slots; reader r writes only the consumed line [*, r] of a sender.
 // Slots are fixed size and 16-byte aligned so a warp can store them with 16-byte vectors.
 // The pull send slots are separate from the receive slots because a pair may be mixed:
-// with s -> r pulled and r -> s pushed, r pushes into s's receive slots [*, r, *] while it
-// is also reading s's staged rows for r; sharing one area would give it two writers.
+// with s -> r pulled and r -> s pushed, r pushes into s's receive slots [*, r, *]; had s
+// staged its rows for r in that same area, it would have two writers.
 //
 // Calls and flags. Every rank makes the same sequence of calls; call number `seq`
 // (1, 2, ..., shared by dispatch and combine) is a complete exchange: every rank sends a
@@ -64,8 +64,9 @@
 //   [*, s, *] vs s's pull send slots [*, r, *]) and each is guarded by its own rule above,
 //   so any mix of push and pull pairs in one call, and across dispatch and combine, is
 //   safe with two parities. A rank may run at most one call ahead of the slowest peer.
-//   Flags use parity seq % 2: a flag of call n + 1 never overwrites one of call n before
-//   its reader saw it (the sender of n + 1 received n from that reader first).
+//   Flags use parity seq % 2: the flag of call n + 2 overwrites the line of call n only
+//   after its reader saw it (the sender has received n + 1 from that reader, which sent it
+//   after receiving n).
 // The tests that break it: tests/test_protocol.py::test_reuse_invariant_breaks_without_parity
 // (push: a sender two calls ahead with a single parity, the receiver reads the wrong rows)
 // and tests/test_pull_protocol.py (pull: a sender two calls ahead of a slow reader times out
