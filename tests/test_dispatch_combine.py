@@ -92,7 +92,7 @@ class _OnDevice:
         return call
 
 
-def _run_case(rank, world, case, seed, backend="cpu"):
+def _run_case(rank, world, case, seed, backend="cpu", **buffer_kwargs):
     import pcie_a2a
     from pcie_a2a import reference as ref
 
@@ -104,7 +104,7 @@ def _run_case(rank, world, case, seed, backend="cpu"):
     exp = expected[rank]
     w13, w2 = _expert_weights(pl, rank)
     with pcie_a2a.Buffer(
-        None, E, H, M, payload=payload, placement=pl, num_topk=K, backend=backend
+        None, E, H, M, payload=payload, placement=pl, num_topk=K, backend=backend, **buffer_kwargs
     ) as real_buf:
         buf = _OnDevice(real_buf)
         per_rank, per_expert, in_rank = buf.get_dispatch_layout(ids[rank])

@@ -133,13 +133,28 @@ PYBIND11_MODULE(_transport, m) {
 
   py::class_<ShmTransport>(m, "ShmTransport")
       .def(py::init([](const std::string& prefix, int32_t rank, int32_t world, int32_t hidden,
-                       int32_t max_tokens, int32_t num_topk, int payload, int dtype) {
+                       int32_t max_tokens, int32_t num_topk, int payload, int dtype,
+                       std::vector<uint8_t> pull, double timeout_s) {
              return new ShmTransport(
                  prefix, rank,
-                 pa2a::make_wire_config(world, hidden, max_tokens, num_topk, payload, dtype));
+                 pa2a::make_wire_config(world, hidden, max_tokens, num_topk, payload, dtype),
+                 std::move(pull), timeout_s);
            }),
            py::arg("prefix"), py::arg("rank"), py::arg("world"), py::arg("hidden"),
-           py::arg("max_tokens"), py::arg("num_topk"), py::arg("payload"), py::arg("dtype"))
+           py::arg("max_tokens"), py::arg("num_topk"), py::arg("payload"), py::arg("dtype"),
+           py::arg("pull") = std::vector<uint8_t>{}, py::arg("timeout_s") = 30.0,
+           "pull: [world * world] 0/1, entry s * world + r = 1 when r pulls the rows of the "
+           "ordered pair s -> r (empty: all push); timeout_s bounds a consumed-flag wait")
+      .def("pulls", &ShmTransport::pulls)
+      .def(
+          "_set_pull_mutation",
+          [](ShmTransport& t, int mutation) {
+            PA2A_CHECK_ARG(mutation >= 0 && mutation <= 2, "pull mutation must be 0, 1 or 2, got ",
+                           mutation);
+            t.set_pull_mutation(static_cast<pa2a::PullMutation>(mutation));
+          },
+          "tests only: seed a slip of the pull protocol (1: reuse before consumed, 2: wrong "
+          "consumed epoch)")
       .def_static("segment_name", &ShmTransport::segment_name)
       .def_static("unlink_name", &ShmTransport::unlink_name)
       .def("attach_peers", &ShmTransport::attach_peers)

@@ -46,6 +46,34 @@ inline void cpu_relax() {
 #endif
 }
 
+// Spin for a few microseconds, then yield the core (ranks may outnumber cores), then
+// sleep with exponential backoff capped at 200 us.
+class Backoff {
+ public:
+  Backoff() : start_(Clock::now()) {}
+  Clock::time_point start() const { return start_; }
+  void pause(Clock::time_point now) {
+    const auto waited = now - start_;
+    if (waited < std::chrono::microseconds(20)) {
+      for (int i = 0; i < 64; ++i) cpu_relax();
+    } else if (waited < std::chrono::milliseconds(2)) {
+      sched_yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(sleep_us_));
+      sleep_us_ = sleep_us_ < 200 ? sleep_us_ * 2 : 200;
+    }
+  }
+
+ private:
+  Clock::time_point start_;
+  int64_t sleep_us_ = 1;
+};
+
+Clock::time_point deadline_after(Clock::time_point start, double timeout_s) {
+  return start +
+         std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
+}
+
 }  // namespace
 
 std::string ShmTransport::segment_name(const std::string& prefix, int32_t rank) {
@@ -56,8 +84,9 @@ bool ShmTransport::unlink_name(const std::string& name) {
   return ::shm_unlink(name.c_str()) == 0;
 }
 
-ShmTransport::ShmTransport(std::string prefix, int32_t rank, const WireConfig& config)
-    : prefix_(std::move(prefix)), rank_(rank), config_(config) {
+ShmTransport::ShmTransport(std::string prefix, int32_t rank, const WireConfig& config,
+                           std::vector<uint8_t> pull, double timeout_s)
+    : prefix_(std::move(prefix)), rank_(rank), config_(config), timeout_s_(timeout_s) {
   const WireConfig& c = config_;
   PA2A_CHECK_ARG(c.world >= 1 && c.world <= 1024, "world size must be in [1, 1024], got ", c.world);
   PA2A_CHECK_ARG(rank >= 0 && rank < c.world, "rank must be in [0, ", c.world, "), got ", rank);
@@ -69,7 +98,20 @@ ShmTransport::ShmTransport(std::string prefix, int32_t rank, const WireConfig& c
   PA2A_CHECK_ARG(c.num_topk >= 1 && c.num_topk <= 64, "num_topk must be in [1, 64], got ",
                  c.num_topk);
   PA2A_CHECK_ARG(c.dtype == DType::kBF16 || c.dtype == DType::kFP16, "dtype must be bf16 or fp16");
-  layout_ = segment_layout(c);
+  PA2A_CHECK_ARG(timeout_s > 0, "timeout_s must be positive, got ", timeout_s);
+  const size_t pairs = static_cast<size_t>(c.world) * c.world;
+  PA2A_CHECK_ARG(pull.empty() || pull.size() == pairs,
+                 "pair_direction must have world x world = ", pairs, " entries, got ", pull.size());
+  bool any_pull = false;
+  for (size_t i = 0; i < pull.size(); ++i) {
+    PA2A_CHECK_ARG(pull[i] <= 1, "pair_direction[", i / c.world, "][", i % c.world,
+                   "] must be 0 (push) or 1 (pull), got ", static_cast<int>(pull[i]));
+    PA2A_CHECK_ARG(pull[i] == 0 || i / c.world != i % c.world, "pair_direction[", i / c.world, "][",
+                   i % c.world, "]: a rank cannot pull from itself (the diagonal is push)");
+    any_pull = any_pull || pull[i] != 0;
+  }
+  if (any_pull) pull_ = std::move(pull);
+  layout_ = segment_layout(c, any_pull);
   slot_ = dispatch_slot_layout(c);
   maps_.assign(c.world, nullptr);
   pids_.assign(c.world, 0);
@@ -194,6 +236,7 @@ void ShmTransport::dispatch_send(uint32_t seq, uint32_t op, int parity, const vo
   PA2A_CHECK_ARG(parity == 0 || parity == 1, "parity must be 0 or 1");
   std::fill(last_bytes_.begin(), last_bytes_.end(), 0);
   std::fill(send_count, send_count + W, 0);
+  await_consumed(kDispatchRegion, parity, seq, op);
 
   std::vector<int32_t> n_dest(W), local(static_cast<size_t>(W) * K);
   std::vector<float> weight(static_cast<size_t>(W) * K);
@@ -231,8 +274,7 @@ void ShmTransport::dispatch_send(uint32_t seq, uint32_t op, int parity, const vo
       const int32_t n = n_dest[d];
       if (n == 0) continue;
       const int32_t j = send_count[d]++;
-      uint8_t* slot = peer_base(d) + layout_.dispatch_off +
-                      slot_offset(c, parity, rank_, j, layout_.dispatch_slot);
+      uint8_t* slot = slot_ptr(kDispatchRegion, parity, rank_, d, j);
       const RowHeader h{t, n, rank_, 0};
       std::memcpy(slot, &h, sizeof(h));
       auto* ids = reinterpret_cast<int32_t*>(slot + slot_.experts_off);
@@ -253,7 +295,66 @@ void ShmTransport::dispatch_send(uint32_t seq, uint32_t op, int parity, const vo
     }
   }
   std::vector<uint32_t> counts(send_count, send_count + W);
+  note_staged(kDispatchRegion, parity, seq);
   publish(seq, op, counts);
+}
+
+uint8_t* ShmTransport::slot_ptr(int region, int parity, int32_t src, int32_t dst, int32_t j) const {
+  const bool dispatch = region == kDispatchRegion;
+  const size_t bytes = dispatch ? layout_.dispatch_slot : layout_.combine_slot;
+  if (pulls(src, dst)) {  // staged in the sender's own segment, indexed by destination
+    const size_t off = dispatch ? layout_.pull_dispatch_off : layout_.pull_combine_off;
+    return peer_base(src) + off + slot_offset(config_, parity, dst, j, bytes);
+  }
+  const size_t off = dispatch ? layout_.dispatch_off : layout_.combine_off;
+  return peer_base(dst) + off + slot_offset(config_, parity, src, j, bytes);
+}
+
+void ShmTransport::note_staged(int region, int parity, uint32_t seq) {
+  if (!pull_.empty()) staged_seq_[region][parity] = seq;
+}
+
+// The sender's half of the pull reuse rule (wire_format.h): the consumed line of reader d
+// lives in our own memory; consumed values only grow, so ">=" the call that last staged
+// into these slots means d has finished reading them.
+void ShmTransport::await_consumed(int region, int parity, uint32_t seq, uint32_t op) {
+  const uint32_t need = staged_seq_[region][parity];
+  if (pull_.empty() || need == 0 || mutation_ == PullMutation::kReuseBeforeConsumed) return;
+  Backoff backoff;
+  const auto deadline = deadline_after(backoff.start(), timeout_s_);
+  auto next_liveness = backoff.start() + std::chrono::milliseconds(50);
+  uint8_t* own = peer_base(rank_) + layout_.consumed_off;
+  for (int32_t d = 0; d < config_.world; ++d) {
+    if (!pulls(rank_, d)) continue;
+    auto* line = reinterpret_cast<FlagLine*>(own + consumed_offset(config_, region, d));
+    while (__atomic_load_n(&line->word, __ATOMIC_ACQUIRE) < need) {
+      const auto now = Clock::now();
+      if (now >= next_liveness) {
+        if (!process_alive(pids_[d]))
+          PA2A_THROW(kPeer, describe_peer(d), " exited before reading the rows rank ", rank_,
+                     " staged for it in call ", need, "; rank ", rank_, " cannot send ",
+                     op_name(op), " (call ", seq, ")");
+        next_liveness = now + std::chrono::milliseconds(50);
+      }
+      if (now >= deadline)
+        PA2A_THROW(kTimeout, "rank ", rank_, " timed out after ", timeout_s_, " s in ", op_name(op),
+                   " (call ", seq, ") waiting for rank ", d, " to consume (pull) the rows of call ",
+                   need, " it staged for it: that rank is behind by more than one call or stuck");
+      backoff.pause(now);
+    }
+  }
+}
+
+void ShmTransport::mark_consumed(int region, uint32_t seq) {
+  if (pull_.empty()) return;
+  const uint32_t value = mutation_ == PullMutation::kWrongConsumedEpoch ? seq - 1 : seq;
+  for (int32_t s = 0; s < config_.world; ++s) {
+    if (!pulls(s, rank_)) continue;
+    auto* line = reinterpret_cast<FlagLine*>(peer_base(s) + layout_.consumed_off +
+                                             consumed_offset(config_, region, rank_));
+    __atomic_store_n(&line->word, static_cast<uint64_t>(value), __ATOMIC_RELEASE);
+    last_bytes_[s] += 8;
+  }
 }
 
 void ShmTransport::publish(uint32_t seq, uint32_t op, const std::vector<uint32_t>& counts) {
@@ -271,6 +372,8 @@ void ShmTransport::publish(uint32_t seq, uint32_t op, const std::vector<uint32_t
 
 void ShmTransport::abort(uint32_t seq, uint32_t op, double timeout_s) {
   std::fill(last_bytes_.begin(), last_bytes_.end(), 0);
+  // Staged nothing: the slots of this call's parity keep their last call's guard (and
+  // every reader reads nothing of this call, so the record stays exact).
   publish(seq, op, std::vector<uint32_t>(config_.world, kAbortCount));
   wait_impl(seq, op, timeout_s, /*tolerate_aborts=*/true);  // see wait_impl
 }
@@ -291,11 +394,10 @@ std::vector<int32_t> ShmTransport::wait_impl(uint32_t seq, uint32_t op, double t
   uint8_t* own = peer_base(rank_);
   std::string problem;
   Error::Kind problem_kind = Error::Kind::kPeer;
-  const auto start = Clock::now();
-  const auto deadline =
-      start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
+  Backoff backoff;
+  const auto start = backoff.start();
+  const auto deadline = deadline_after(start, timeout_s);
   auto next_liveness = start + std::chrono::milliseconds(50);
-  int64_t sleep_us = 1;
   for (;;) {
     for (int32_t r = 0; r < W; ++r) {
       if (counts[r] >= 0) continue;
@@ -324,7 +426,16 @@ std::vector<int32_t> ShmTransport::wait_impl(uint32_t seq, uint32_t op, double t
       }
     }
     if (remaining == 0) {
-      if (!problem.empty()) throw Error(problem_kind, problem);
+      const int region = (op == static_cast<uint32_t>(OpCode::kDispatch) ||
+                          op == static_cast<uint32_t>(OpCode::kLowLatencyDispatch))
+                             ? kDispatchRegion
+                             : kCombineRegion;
+      if (tolerate_aborts || !problem.empty()) {
+        mark_consumed(region, seq);  // this rank reads nothing of call seq
+        if (!problem.empty()) throw Error(problem_kind, problem);
+        return counts;
+      }
+      if (region == kDispatchRegion) received_seq_ = seq;  // unpack_* marks it consumed
       return counts;
     }
 
@@ -345,17 +456,7 @@ std::vector<int32_t> ShmTransport::wait_impl(uint32_t seq, uint32_t op, double t
                    "or skipped a call");
       next_liveness = now + std::chrono::milliseconds(50);
     }
-    // Spin for a few microseconds, then yield the core (ranks may outnumber cores), then
-    // sleep with exponential backoff capped at 200 us.
-    const auto waited = now - start;
-    if (waited < std::chrono::microseconds(20)) {
-      for (int i = 0; i < 64; ++i) cpu_relax();
-    } else if (waited < std::chrono::milliseconds(2)) {
-      sched_yield();
-    } else {
-      std::this_thread::sleep_for(std::chrono::microseconds(sleep_us));
-      sleep_us = sleep_us < 200 ? sleep_us * 2 : 200;
-    }
+    backoff.pause(now);
   }
 }
 
@@ -377,10 +478,9 @@ void ShmTransport::unpack_rows(int parity, const int32_t* counts, const int64_t*
                                int32_t* expert_count) {
   const WireConfig& c = config_;
   const int32_t K = c.num_topk, H = c.hidden, G = H / kFp8GroupSize;
-  const uint8_t* region = peer_base(rank_) + layout_.dispatch_off;
   for (int32_t s = 0; s < c.world; ++s) {
     for (int32_t j = 0; j < counts[s]; ++j) {
-      const uint8_t* slot = region + slot_offset(c, parity, s, j, layout_.dispatch_slot);
+      const uint8_t* slot = slot_ptr(kDispatchRegion, parity, s, rank_, j);
       const size_t i = static_cast<size_t>(row_base[s] + j);
       RowHeader h{};
       std::memcpy(&h, slot, sizeof(h));
@@ -402,6 +502,7 @@ void ShmTransport::unpack_rows(int parity, const int32_t* counts, const int64_t*
       }
     }
   }
+  mark_consumed(kDispatchRegion, received_seq_);
 }
 
 void ShmTransport::unpack_expert_major(int parity, const int32_t* counts, int32_t num_local_experts,
@@ -413,13 +514,12 @@ void ShmTransport::unpack_expert_major(int parity, const int32_t* counts, int32_
   const int32_t W = c.world, M = c.max_tokens, K = c.num_topk, H = c.hidden;
   const int32_t G = H / kFp8GroupSize;
   const size_t cap = static_cast<size_t>(W) * M;
-  const uint8_t* region = peer_base(rank_) + layout_.dispatch_off;
   std::fill(expert_count, expert_count + num_local_experts, 0);
   std::vector<int32_t> begin(num_local_experts);
   for (int32_t s = 0; s < W; ++s) {
     std::copy(expert_count, expert_count + num_local_experts, begin.begin());
     for (int32_t j = 0; j < counts[s]; ++j) {
-      const uint8_t* slot = region + slot_offset(c, parity, s, j, layout_.dispatch_slot);
+      const uint8_t* slot = slot_ptr(kDispatchRegion, parity, s, rank_, j);
       const size_t row = static_cast<size_t>(s) * M + j;
       RowHeader h{};
       std::memcpy(&h, slot, sizeof(h));
@@ -448,6 +548,7 @@ void ShmTransport::unpack_expert_major(int parity, const int32_t* counts, int32_
       layout_range[static_cast<size_t>(e) * W + s] =
           (static_cast<int64_t>(begin[e]) << 32) | (expert_count[e] - begin[e]);
   }
+  mark_consumed(kDispatchRegion, received_seq_);
 }
 
 // ---- combine ---------------------------------------------------------------------------
@@ -458,18 +559,20 @@ void ShmTransport::combine_send(uint32_t seq, uint32_t op, int parity, const voi
   const size_t row_bytes = 2 * static_cast<size_t>(c.hidden);
   std::fill(last_bytes_.begin(), last_bytes_.end(), 0);
   std::vector<uint32_t> sent(c.world);
-  for (int32_t i = 1; i <= c.world; ++i) {
-    const int32_t s = (rank_ + i) % c.world;
+  for (int32_t s = 0; s < c.world; ++s)  // before any store: a bad count stages nothing
     PA2A_CHECK_ARG(counts[s] >= 0 && counts[s] <= c.max_tokens, "row count for rank ", s,
                    " out of range: ", counts[s]);
-    uint8_t* region = peer_base(s) + layout_.combine_off;
+  await_consumed(kCombineRegion, parity, seq, op);
+  for (int32_t i = 1; i <= c.world; ++i) {
+    const int32_t s = (rank_ + i) % c.world;
     for (int32_t j = 0; j < counts[s]; ++j) {
       const auto* src = static_cast<const uint8_t*>(y) + (row_base[s] + j) * row_bytes;
-      std::memcpy(region + slot_offset(c, parity, rank_, j, layout_.combine_slot), src, row_bytes);
+      std::memcpy(slot_ptr(kCombineRegion, parity, rank_, s, j), src, row_bytes);
     }
     sent[s] = static_cast<uint32_t>(counts[s]);
     last_bytes_[s] += static_cast<uint64_t>(counts[s]) * layout_.combine_slot;
   }
+  note_staged(kCombineRegion, parity, seq);
   publish(seq, op, sent);
 }
 
@@ -508,21 +611,23 @@ void ShmTransport::combine_recv(uint32_t seq, uint32_t op, int parity, double ti
   const int32_t W = c.world, M = c.max_tokens, H = c.hidden;
   const std::vector<int32_t> counts = wait(seq, op, timeout_s);
   for (int32_t d = 0; d < W; ++d)
-    if (counts[d] != send_count[d])
+    if (counts[d] != send_count[d]) {
+      mark_consumed(kCombineRegion, seq);  // reads nothing of this call
       PA2A_THROW(kPeer, "rank ", d, " returned ", counts[d], " rows in ", op_name(op), " (call ",
                  seq, ") but rank ", rank_, " dispatched ", send_count[d],
                  " rows to it: every rank must combine the handles of the same dispatch");
+    }
   acc_.assign(static_cast<size_t>(num_tokens) * H, 0.0f);
-  const uint8_t* region = peer_base(rank_) + layout_.combine_off;
   for (int32_t d = 0; d < W; ++d) {
     for (int32_t j = 0; j < send_count[d]; ++j) {
       const int32_t t = send_token[static_cast<size_t>(d) * M + j];
       PA2A_HOST_ASSERT(t >= 0 && t < num_tokens);
-      const auto* row = reinterpret_cast<const uint16_t*>(
-          region + slot_offset(c, parity, d, j, layout_.combine_slot));
+      const auto* row =
+          reinterpret_cast<const uint16_t*>(slot_ptr(kCombineRegion, parity, d, rank_, j));
       accumulate_row(acc_.data() + static_cast<size_t>(t) * H, row, 1.0f, H, c.dtype);
     }
   }
+  mark_consumed(kCombineRegion, seq);
   float_row_to_half(acc_.data(), static_cast<int>(acc_.size()), c.dtype,
                     static_cast<uint16_t*>(out));
 }

@@ -1,7 +1,8 @@
 // CPU transport: ranks are processes on one host, each owning one POSIX shared-memory
 // segment laid out as core/wire_format.h describes. It runs the exact protocol of the
-// CUDA transports (push-only rows, one release-stored flag per (source, receiver) pair,
-// epoch parity) and is the oracle the kernels are tested against.
+// CUDA transports (rows pushed or pulled per ordered pair, one release-stored flag per
+// (source, receiver) pair, a consumed flag back for pulled pairs, epoch parity) and is the
+// oracle the kernels are tested against.
 //
 // Lifetime. A rank creates its segment (mode 0600, O_EXCL, a name unique to the group),
 // every rank maps every peer's segment, and once all have mapped (a barrier in Python)
@@ -30,10 +31,21 @@ struct CallCounts {
   std::vector<int32_t> counts;  // rows received from each source rank
 };
 
+// Seeded slips of the pull protocol, for the tests that must catch them (never set in use).
+enum class PullMutation : int32_t {
+  kNone = 0,
+  kReuseBeforeConsumed = 1,  // the sender does not wait for the consumed flag
+  kWrongConsumedEpoch = 2,   // the reader stores seq - 1 as consumed
+};
+
 class ShmTransport {
  public:
-  // Creates and maps this rank's segment `<prefix>.<rank>`.
-  ShmTransport(std::string prefix, int32_t rank, const WireConfig& config);
+  // Creates and maps this rank's segment `<prefix>.<rank>`. `pull[s * world + r]` != 0:
+  // rows of the ordered pair s -> r are pulled by r (dispatch: s the token's rank; combine:
+  // s the expert's rank); empty: every pair pushes. The diagonal must be 0 (push).
+  // `timeout_s` bounds a sender's wait for a consumed flag.
+  ShmTransport(std::string prefix, int32_t rank, const WireConfig& config,
+               std::vector<uint8_t> pull = {}, double timeout_s = 30.0);
   ~ShmTransport();
   ShmTransport(const ShmTransport&) = delete;
   ShmTransport& operator=(const ShmTransport&) = delete;
@@ -104,8 +116,14 @@ class ShmTransport {
                     const int32_t* send_token, const int32_t* send_count, int32_t num_tokens,
                     void* out);
 
-  // Bytes this rank wrote into each rank's segment during the last call (own rank: local).
+  // Bytes this rank moved to each rank during the last call (own rank: local): rows it
+  // pushed into that rank's segment or staged there for it to pull, and flags it stored.
   const std::vector<uint64_t>& last_bytes() const { return last_bytes_; }
+
+  bool pulls(int32_t src, int32_t dst) const {
+    return !pull_.empty() && pull_[static_cast<size_t>(src) * config_.world + dst] != 0;
+  }
+  void set_pull_mutation(PullMutation m) { mutation_ = m; }
 
  private:
   uint8_t* peer_base(int32_t r) const { return static_cast<uint8_t*>(maps_[r]); }
@@ -114,6 +132,14 @@ class ShmTransport {
   void publish(uint32_t seq, uint32_t op, const std::vector<uint32_t>& counts);
   void dequant_row(const uint8_t* slot, const SlotLayout& sl, void* dst) const;
   std::string describe_peer(int32_t r) const;
+  // Slot of row j of the pair (src -> dst) in `region`, wherever that pair keeps it.
+  uint8_t* slot_ptr(int region, int parity, int32_t src, int32_t dst, int32_t j) const;
+  // Before staging into pull slots of `parity`: waits for every pulling reader to have
+  // consumed the call that last used them.
+  void await_consumed(int region, int parity, uint32_t seq, uint32_t op);
+  void note_staged(int region, int parity, uint32_t seq);
+  // After the last read of call seq: tells every pulled source.
+  void mark_consumed(int region, uint32_t seq);
 
   std::string prefix_;
   int32_t rank_;
@@ -127,6 +153,12 @@ class ShmTransport {
   std::vector<uint64_t> last_bytes_;
   std::vector<float> acc_;     // combine accumulator scratch
   std::vector<uint8_t> qrow_;  // fp8 row scratch
+  std::vector<uint8_t> pull_;  // [world * world], empty: all push
+  double timeout_s_;
+  // Call that last staged into pull slots [region][parity] (0: none yet).
+  uint32_t staged_seq_[2][2] = {{0, 0}, {0, 0}};
+  uint32_t received_seq_ = 0;  // dispatch call whose flags wait() last returned
+  PullMutation mutation_ = PullMutation::kNone;
 };
 
 }  // namespace pa2a

@@ -1,17 +1,29 @@
-// Wire format of dispatch/combine: receive regions, slots and flags.
+// Wire format of dispatch/combine: receive regions, slots and flags, push and pull.
 //
 // Hardware reason. Across PCIe a posted write is cheap and a read is a non-posted round
-// trip (some root complexes cannot even route peer reads), and peer atomics are a read
-// followed by a write. So every byte is *pushed* by its producer into the consumer's
-// memory, consumers poll only their own memory, and no location has two writers.
+// trip, and peer atomics are a read followed by a write, so consumers poll only their own
+// memory and no location has two writers. Payload defaults to *push* (the producer stores
+// into the consumer's memory), but on some boxes concurrent writes from one switch to
+// several root complexes collapse while reads do not (research/field_2026.md section 4), so
+// each ordered pair (s -> r) moves its rows by push or by *pull*, as the plan decides
+// (python/pcie_a2a/topology: RankPlan.pair_direction). Flags are never pulled: a flag is
+// always an 8-byte posted write by its producer into the memory of the one rank that polls it.
 //
 // Regions. Each rank owns one segment (host shared memory for the CPU transport, device
 // or pinned host memory for the CUDA transports) laid out as
 //   [SegmentHeader 4 KiB][flags: 2 parities x world x FlagLine]
 //   [dispatch slots: 2 parities x world sources x max_tokens slots x dispatch_slot_bytes]
 //   [combine slots:  2 parities x world sources x max_tokens slots x combine_slot_bytes]
-// Source s writes only the [*, s, *] part of a receiver's slots and the flag line [*, s].
+// and, only when some pair of the group pulls (the same on every rank):
+//   [consumed flags: 2 regions (dispatch, combine) x world readers x FlagLine]
+//   [pull dispatch send slots: 2 parities x world destinations x max_tokens x dispatch slot]
+//   [pull combine send slots:  2 parities x world destinations x max_tokens x combine slot]
+// Source s writes only the [*, s, *] part of a receiver's slots, the flag line [*, s], and
+// its own pull send slots; reader r writes only the consumed line [*, r] of a sender.
 // Slots are fixed size and 16-byte aligned so a warp can store them with 16-byte vectors.
+// The pull send slots are separate from the receive slots because a pair may be mixed:
+// with s -> r pulled and r -> s pushed, r pushes into s's receive slots [*, r, *]; had s
+// staged its rows for r in that same area, it would have two writers.
 //
 // Calls and flags. Every rank makes the same sequence of calls; call number `seq`
 // (1, 2, ..., shared by dispatch and combine) is a complete exchange: every rank sends a
@@ -21,15 +33,45 @@
 // the op code in `sig`); r acquires it by polling for the exact value seq. Flags carry
 // the call number, so they are never reset. A count of kAbortCount tells the receiver
 // that the sender raised before sending (bad input): it raises too instead of waiting.
+// For a pulled pair this same flag is the *ready* flag: s has stored its rows into its own
+// pull send slots [parity][r][*] (local stores) before it release-stores (seq, count) into
+// r's memory; r acquires the flag and only then loads the rows from s's segment (SM loads
+// or a copy-engine read). Reading before the flag reads the previous call's rows.
+// After its last load of call seq, r release-stores `seq` into the consumed line
+// [region][r] of s's memory (8 bytes, posted). Consumed values only grow: a rank reads
+// its calls in order, so consumed >= n means every row s staged for r up to call n has
+// been read. A receiver that reads nothing of a call (it or a peer aborted, or the call
+// was refused) still stores consumed for it, so that the sender's record stays exact.
+// Combine pulls partials the same way, with the direction of (expert rank -> source rank):
+// the expert rank stages partials in its pull combine slots and the source loads them.
 //
-// Reuse invariant. Each rank finishes *receiving* call n (reads every row it needs out
-// of its region) before it *sends* call n + 1. Hence a sender at call n + 2 has received
-// call n + 1 from every receiver, each of which had finished call n before sending it:
-// the flag line [n % 2] and the slots of parity n % 2 (dispatch and combine each count
-// their own calls for parity) are free again when they are overwritten. Two parities are
-// therefore enough, and a rank may run at most one call ahead of the slowest peer.
-// tests/test_protocol.py::test_reuse_invariant_breaks_without_parity drives a sender two
-// calls ahead with a single parity and shows the receiver reading the wrong rows.
+// Reuse invariant. Each rank finishes *receiving* call n (reads every row it needs, in its
+// own region and, for pulled pairs, in its peers' pull send slots) before it *sends* call
+// n + 1; dispatch and combine each count their own calls for slot parity.
+//   Push slots (in the receiver's memory, written by the sender): a sender at call n + 2
+//   of a region has received call n + 1 from every receiver, each of which had finished
+//   call n before sending it, so slots of parity n % 2 are free when they are overwritten.
+//   Pull slots (in the sender's own memory, read by the receiver): the same chain holds (s
+//   received r's flag of n + 1, which r release-stored after its loads of n), and on top
+//   of it s waits, before its first store into pull slots of parity p, until r's consumed
+//   line shows the call that last used parity p (acquire). The consumed flag makes the
+//   guard local to the pair: it does not depend on every call being a complete exchange or
+//   on the reader's loads having ended before its next send (a copy-engine read on another
+//   stream, a deferred receive hook), and a reader that falls behind becomes a timeout that
+//   names it instead of rows overwritten under it. In the normal flow it is already there
+//   when the sender looks (it was stored before r's flag of n + 1), so it costs no wait.
+//   Mixed pairs: the two directions of a pair use disjoint memory (r's receive slots
+//   [*, s, *] vs s's pull send slots [*, r, *]) and each is guarded by its own rule above,
+//   so any mix of push and pull pairs in one call, and across dispatch and combine, is
+//   safe with two parities. A rank may run at most one call ahead of the slowest peer.
+//   Flags use parity seq % 2: the flag of call n + 2 overwrites the line of call n only
+//   after its reader saw it (the sender has received n + 1 from that reader, which sent it
+//   after receiving n).
+// The tests that break it: tests/test_protocol.py::test_reuse_invariant_breaks_without_parity
+// (push: a sender two calls ahead with a single parity, the receiver reads the wrong rows)
+// and tests/test_pull_protocol.py (pull: a sender two calls ahead of a slow reader times out
+// naming it, and with the consumed wait switched off it overwrites the rows being read;
+// a reader storing the wrong consumed epoch makes the sender time out).
 #pragma once
 
 #include <cstdint>
@@ -153,12 +195,20 @@ PA2A_HD size_t combine_slot_bytes(const WireConfig& c) {
   return align_up(2 * static_cast<size_t>(c.hidden), kSlotAlign);
 }
 
+// Regions of the consumed lines (pull only).
+constexpr int kDispatchRegion = 0;
+constexpr int kCombineRegion = 1;
+
 struct SegmentLayout {
   size_t flags_off, dispatch_off, combine_off, total;
   size_t dispatch_slot, combine_slot;
+  // Present only with `with_pull` (0 otherwise): consumed lines, pull send slots.
+  size_t consumed_off, pull_dispatch_off, pull_combine_off;
 };
 
-PA2A_HD SegmentLayout segment_layout(const WireConfig& c) {
+// `with_pull`: some pair of the group pulls (every rank passes the same value). Without it
+// the layout is the push-only layout of wire version 1, byte for byte.
+PA2A_HD SegmentLayout segment_layout(const WireConfig& c, bool with_pull = false) {
   SegmentLayout l{};
   const size_t w = static_cast<size_t>(c.world), m = static_cast<size_t>(c.max_tokens);
   l.dispatch_slot = dispatch_slot_layout(c).bytes;
@@ -167,6 +217,12 @@ PA2A_HD SegmentLayout segment_layout(const WireConfig& c) {
   l.dispatch_off = align_up(l.flags_off + 2 * w * kFlagLineBytes, 4096);
   l.combine_off = align_up(l.dispatch_off + 2 * w * m * l.dispatch_slot, 4096);
   l.total = align_up(l.combine_off + 2 * w * m * l.combine_slot, 4096);
+  if (with_pull) {
+    l.consumed_off = l.total;
+    l.pull_dispatch_off = align_up(l.consumed_off + 2 * w * kFlagLineBytes, 4096);
+    l.pull_combine_off = align_up(l.pull_dispatch_off + 2 * w * m * l.dispatch_slot, 4096);
+    l.total = align_up(l.pull_combine_off + 2 * w * m * l.combine_slot, 4096);
+  }
   return l;
 }
 
@@ -178,6 +234,15 @@ PA2A_HD size_t slot_offset(const WireConfig& c, int parity, int src, int slot, s
 PA2A_HD size_t flag_offset(const WireConfig& c, int parity, int src) {
   return (static_cast<size_t>(parity) * c.world + src) * kFlagLineBytes;
 }
+
+// Consumed line of reader `reader` for `region` (kDispatchRegion / kCombineRegion), in the
+// sender's segment, from layout.consumed_off. Its `word` holds the last call consumed.
+PA2A_HD size_t consumed_offset(const WireConfig& c, int region, int reader) {
+  return (static_cast<size_t>(region) * c.world + reader) * kFlagLineBytes;
+}
+
+// A pull send slot is addressed like a receive slot with the destination in place of the
+// source: slot_offset(c, parity, dest, slot, slot_bytes) from pull_*_off.
 
 struct SegmentHeader {
   uint32_t magic;

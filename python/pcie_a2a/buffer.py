@@ -124,6 +124,11 @@ class Buffer:
         timeout_s: per-call deadline; a peer that does not arrive raises PeerTimeoutError.
             Default: ``PCIE_A2A_TIMEOUT_S`` or 30 s.
         num_topk: largest top-k a call may pass (expert slots per row on the wire).
+        pair_direction: ``[world][world]`` of ``"push"``/``"pull"``, sender first (as
+            ``RankPlan.pair_direction``): how the rows of each ordered pair move, in dispatch
+            (token's rank -> expert's rank) and combine (expert's rank -> token's rank).
+            Default (None or empty): every pair pushes. Pull runs on the CPU transport
+            only so far.
     """
 
     def __init__(
@@ -139,6 +144,7 @@ class Buffer:
         backend: str = "auto",
         timeout_s: float | None = None,
         num_topk: int = 8,
+        pair_direction: list[list[str]] | None = None,
     ):
         self._transport = None
         self._closed = True
@@ -189,7 +195,12 @@ class Buffer:
                 f"{placement.num_experts} experts on {placement.world} ranks",
                 f"{num_experts} experts on {self.world} ranks",
             )
+        self.pair_direction = _check_pair_direction(pair_direction, self.world)
         self.backend = self._choose_backend(backend)
+        if self.backend == "cuda" and any("pull" in row for row in self.pair_direction):
+            raise _fail(
+                ValueError, "pair_direction", "a 'pull' pair", "all 'push' with backend='cuda'"
+            )
         self.device = _device_for(self.backend)
         self.num_experts = num_experts
         self.hidden = hidden
@@ -249,6 +260,7 @@ class Buffer:
             "placement": self.placement.replicas,
             "replica_choice": self.placement.choice,
             "backend": self.backend,
+            "pair_direction": self.pair_direction,
             "wire_version": _native.transport().WIRE_VERSION,
         }
 
@@ -316,6 +328,8 @@ class Buffer:
                 self.num_topk,
                 code,
                 _DTYPES[self.dtype],
+                [int(d == "pull") for row in self.pair_direction for d in row],
+                self.timeout_s,
             )
         except Exception as exc:  # reported to every rank below
             error = f"rank {self.rank}: {exc}"
@@ -997,6 +1011,22 @@ def _release(transport, names: list[str]) -> None:
         return
     for name in names:
         native.ShmTransport.unlink_name(name)
+
+
+def _check_pair_direction(direction: Any, world: int) -> tuple[tuple[str, ...], ...]:
+    if direction is None or (isinstance(direction, (list, tuple)) and len(direction) == 0):
+        return tuple(("push",) * world for _ in range(world))  # RankPlan's "no decision"
+    rows = [list(r) for r in direction] if isinstance(direction, (list, tuple)) else None
+    if rows is None or len(rows) != world or any(len(r) != world for r in rows):
+        raise _fail(
+            ValueError, "pair_direction", repr(direction), f"[{world}][{world}] of 'push'/'pull'"
+        )
+    for s, row in enumerate(rows):
+        for d, v in enumerate(row):
+            if v not in ("push", "pull") or (s == d and v != "push"):
+                allowed = "'push' (a rank never pulls from itself)" if s == d else "'push', 'pull'"
+                raise _fail(ValueError, f"pair_direction[{s}][{d}]", repr(v), allowed)
+    return tuple(tuple(r) for r in rows)
 
 
 def _ptr(arg: Any) -> Any:
