@@ -189,8 +189,8 @@ def _rank_main(rank: int, world: int, warmup: int, iters: int, budget_s: float) 
     import torch
     import torch.distributed as dist
 
-    from pcie_a2a.cuda_backend import CudaTransport
     from pcie_a2a.placement import Placement
+    from pcie_a2a.transport.cuda import CudaTransport
 
     torch.cuda.set_device(0)
     dev = torch.device("cuda", 0)

@@ -138,11 +138,11 @@ def install(so: Path) -> Hooks:
     spec.loader.exec_module(mod)
     hooks = Hooks(so)
 
-    from pcie_a2a import _native, buffer, cuda_backend
+    from pcie_a2a import _native
+    from pcie_a2a.transport import cuda as cuda_backend
 
     cpu = torch.device("cpu")
     _native.cuda_available = lambda: True
-    buffer._device_for = lambda backend: cpu
     cuda_backend._device = lambda index: cpu
     cuda_backend.device_uuid = lambda index: "GPU-emulated-0"
     cuda_backend.cuda_bus_id = lambda index: None

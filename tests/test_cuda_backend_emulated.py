@@ -143,7 +143,7 @@ def _rank_counts(rank: int, world: int, so: str) -> dict:
     for layout in ("rows", "expert_major"):
         want = _cpu_reference(layout, 3)
         with pcie_a2a.Buffer(None, E, H, M, num_topk=K, backend="cuda") as buf:
-            assert buf._device_side
+            assert buf._transport.ids_checked_on_device(3)  # LL calls stay on the device
             for step in range(3):  # the first call warms up; both parities and reuse
                 x, ids, w = _inputs(step, ids64=step == 2)
                 l0, s0, _ = hooks.counts()
@@ -265,7 +265,7 @@ def test_bad_ids_are_found_on_the_device_and_raised_next(emu_so):
 def _rank_in_process(rank: int, world: int, so: str, case: C.Case) -> None:
     import cuda_emu_module
 
-    from pcie_a2a.cuda_backend import CudaTransport
+    from pcie_a2a.transport.cuda import CudaTransport
 
     hooks = cuda_emu_module.install(Path(so))
     txs = CudaTransport.in_process(

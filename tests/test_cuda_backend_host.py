@@ -1,12 +1,12 @@
 """Host-side logic of the CUDA backend that needs no GPU: the per-sender pair plan and the
-input checks of the graph-capturable path (python/pcie_a2a/cuda_backend.py)."""
+input checks of the graph-capturable path (python/pcie_a2a/transport/cuda.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pcie_a2a.cuda_backend import P2P, STAGED, _aligned, _check, outgoing_pairs
+from pcie_a2a.transport.cuda import P2P, STAGED, _aligned, _check, outgoing_pairs
 from topology_fixtures import FIXTURES
 
 A, B, C = "GPU-a", "GPU-b", "GPU-c"
@@ -85,7 +85,7 @@ BUS8 = [f"0000:{b:02x}:00.0" for b in (0x01, 0x21, 0x41, 0x61, 0x81, 0xA1, 0xC1,
 
 
 def test_topology_rank_plan_from_the_topology_file(monkeypatch):
-    from pcie_a2a.cuda_backend import topology_rank_plan
+    from pcie_a2a.transport.cuda import topology_rank_plan
 
     box = FIXTURES / "8x-rtx4090-dual-xeon-broadcom-pix.topo.txt"
     monkeypatch.setenv("PCIE_A2A_TOPO_FILE", str(box))
@@ -107,7 +107,7 @@ def test_topology_rank_plan_from_the_topology_file(monkeypatch):
     ],
 )
 def test_topology_rank_plan_falls_back_saying_why(monkeypatch, bus_ids, topo_file, why):
-    from pcie_a2a.cuda_backend import topology_rank_plan
+    from pcie_a2a.transport.cuda import topology_rank_plan
 
     if topo_file:
         monkeypatch.setenv("PCIE_A2A_TOPO_FILE", str(FIXTURES / topo_file))
@@ -187,7 +187,7 @@ def test_probe_failure_names_the_pair_the_causes_and_the_switch():
 
 
 def test_plan_on_rank0_turns_any_exception_into_the_gathered_error(monkeypatch):
-    from pcie_a2a import cuda_backend
+    from pcie_a2a.transport import cuda as cuda_backend
 
     def boom(bus_ids):
         raise KeyError("GPU 0000:99:00.0")
@@ -243,8 +243,8 @@ class _StubNative:
 def _rank_bootstrap_fails(rank: int, world: int, where: str) -> str:
     import time
 
-    from pcie_a2a import cuda_backend
     from pcie_a2a.placement import Placement
+    from pcie_a2a.transport import cuda as cuda_backend
 
     stub = _StubNative()
     stub.device_report = _StubNative.report

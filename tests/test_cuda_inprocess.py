@@ -44,7 +44,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(bool(_REASON), reason=_REASON 
 
 
 def _group(case: C.Case):
-    from pcie_a2a.cuda_backend import CudaTransport
+    from pcie_a2a.transport.cuda import CudaTransport
 
     torch.cuda.set_device(0)
     txs = CudaTransport.in_process(
@@ -165,7 +165,7 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_in_process_exact_over_many_calls(case):
-    from pcie_a2a.cuda_backend import CudaTransport
+    from pcie_a2a.transport.cuda import CudaTransport
 
     layout = "rows" if case.mode == "ll_rows" else "em"
     txs, streams = _group(case)
@@ -182,7 +182,7 @@ def test_in_process_exact_over_many_calls(case):
 def test_receive_grids_leave_room_for_the_peers_sends():
     """Each rank's receive is launched before the next rank's send: only capped receive
     grids (max_recv_blocks, one block per SM) leave the later sends room to run."""
-    from pcie_a2a.cuda_backend import CudaTransport
+    from pcie_a2a.transport.cuda import CudaTransport
 
     case = C.Case("ip_interleaved_4", 4, "ll_rows", experts=16, max_tokens=128, seed=84)
     txs, streams = _group(case)
@@ -197,7 +197,7 @@ def test_receive_grids_leave_room_for_the_peers_sends():
 
 def test_two_groups_on_their_own_streams_at_once():
     """Two groups (two Buffers' worth of transports) issued interleaved: both exact."""
-    from pcie_a2a.cuda_backend import CudaTransport
+    from pcie_a2a.transport.cuda import CudaTransport
 
     ca = C.Case("ip_group_a", 2, "ll_rows", seed=85)
     cb = C.Case("ip_group_b", 2, "ll_rows", transport="staged", seed=86)

@@ -1,4 +1,4 @@
-"""GPU tests of the CUDA transport (csrc/cuda/transport, pcie_a2a.cuda_backend).
+"""GPU tests of the CUDA transport (csrc/cuda/transport, pcie_a2a.transport.cuda).
 
 Several processes share GPU 0: CUDA IPC between processes on one device exercises the
 same open/store/flag path as P2P between devices, and PCIE_A2A_P2P=0 (or an explicit pair
@@ -84,7 +84,7 @@ def _plan(case: Case):
 
 
 def _make(case: Case, rank: int, timeout_s: float = 30.0):
-    from pcie_a2a.cuda_backend import CudaTransport
+    from pcie_a2a.transport.cuda import CudaTransport
 
     if case.transport == "staged":
         os.environ["PCIE_A2A_P2P"] = "0"

@@ -270,7 +270,7 @@ def test_current_with_probe_picks_up_file_then_cache(clean_env, monkeypatch):
 def test_buffer_planner_reads_the_recorded_probe(clean_env, monkeypatch, tmp_path):
     """cuda_backend.topology_rank_plan (what Buffer(backend="cuda") calls on rank 0) with a
     recorded probe: the ranks' pairs carry the probe's directions."""
-    from pcie_a2a.cuda_backend import topology_rank_plan
+    from pcie_a2a.transport.cuda import topology_rank_plan
 
     box = broadcom_box(FIXTURES)
     topo_file = tmp_path / "topo.json"

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from pcie_a2a import _native, env
 from pcie_a2a.placement import Placement
+from pcie_a2a.transport import TransportSpec, choose_backend, open_transport
 
 _DTYPES = {torch.bfloat16: 0, torch.float16: 1}
 _PAYLOADS = {"bf16": 0, "fp16": 1, "fp8": 2}
@@ -93,13 +94,6 @@ class DispatchResult:
         if self._tokens_per_expert_list is None:
             self._tokens_per_expert_list = self.tokens_per_expert.tolist()
         return self._tokens_per_expert_list
-
-
-@dataclass
-class _Stats:
-    last: list[int]
-    total: list[int]
-    calls: int = 0
 
 
 def _fail(kind: type[Exception], arg: str, got: Any, allowed: str) -> Exception:
@@ -196,12 +190,7 @@ class Buffer:
                 f"{num_experts} experts on {self.world} ranks",
             )
         self.pair_direction = _check_pair_direction(pair_direction, self.world)
-        self.backend = self._choose_backend(backend)
-        if self.backend == "cuda" and any("pull" in row for row in self.pair_direction):
-            raise _fail(
-                ValueError, "pair_direction", "a 'pull' pair", "all 'push' with backend='cuda'"
-            )
-        self.device = _device_for(self.backend)
+        self.backend = choose_backend(backend)
         self.num_experts = num_experts
         self.hidden = hidden
         self.max_tokens_per_rank = max_tokens_per_rank
@@ -217,38 +206,17 @@ class Buffer:
         self._dispatch_calls = 0
         self._combine_calls = 0
         self._failed: str | None = None
-        self._stats = _Stats([0] * self.world, [0] * self.world)
-        # The CUDA transport's low-latency calls stay on the device end to end (no host
-        # synchronisation, so they can be captured in a CUDA graph): counts come from the
-        # receive kernel, ids are checked on the device, outputs are written whole, the
-        # expert-major pre-reduction is fused into the push, statistics are the device's.
-        self._device_side = False
         # Off by default: counting costs a few elementwise launches per dispatch, which the
         # low-latency path (0 host syncs, 4 launches) does not pay unless asked. The MoE
         # layer turns it on for its load window.
         self.count_expert_load = False
         self._load: torch.Tensor | None = None  # see expert_load()
         self._bootstrap()
+        self.device = self._transport.device
         m = self.max_tokens_per_rank
         self._ll_row_base = torch.arange(self.world, dtype=torch.int64, device=self.device) * m
 
     # ---- construction ------------------------------------------------------------------
-    @staticmethod
-    def _choose_backend(backend: str) -> str:
-        if backend not in ("auto", "cpu", "cuda"):
-            raise _fail(ValueError, "backend", repr(backend), "'auto', 'cpu', 'cuda'")
-        if backend == "auto":
-            # The CUDA transport has run only on the CPU model of CUDA, never on a GPU
-            # (README): until it has, "auto" stays on the CPU transport and "cuda" is an
-            # explicit opt-in.
-            backend = env.backend() or "cpu"
-        if backend == "cuda" and not _native.cuda_available():
-            raise ValueError(
-                f"backend='cuda' is not available here: {_native.cuda_unavailable_reason()}; "
-                "use backend='cpu'"
-            )
-        return backend
-
     def _config(self) -> dict:
         return {
             "num_experts": self.num_experts,
@@ -270,7 +238,6 @@ class Buffer:
         return out
 
     def _bootstrap(self) -> None:
-        native = _native.transport()
         uid = f"{os.getpid()}_{secrets.token_hex(6)}"
         gathered = self._gather((self._config(), uid))
         for key, mine in gathered[0][0].items():
@@ -281,75 +248,26 @@ class Buffer:
                     f"Buffer argument {key!r} differs between ranks: {shown}; "
                     "every rank must pass the same value"
                 )
-        if self.backend == "cuda":
-            self._bootstrap_cuda()
-        else:
-            self._bootstrap_shm(native, f"pcie_a2a.{gathered[0][1]}")
-        self._closed = False
-
-    def _bootstrap_cuda(self) -> None:
-        # NOT YET RUN ON A GPU (see docs/cuda_transport.md). Eager calls only: the
-        # graph-capturable path is CudaTransport's *_async methods.
-        from pcie_a2a.cuda_backend import CudaTransport
-
-        transport = CudaTransport(
-            self.group,
-            self.rank,
-            self.world,
-            self.hidden,
-            self.max_tokens_per_rank,
-            self.num_topk,
-            _PAYLOADS[self.payload],
-            _DTYPES[self.dtype],
-            self.placement,
-            device=self.device.index,
-            timeout_s=self.timeout_s,
+        spec = TransportSpec(
+            self.group, self.rank, self.world, self.hidden, self.max_tokens_per_rank,
+            self.num_topk, _PAYLOADS[self.payload], _DTYPES[self.dtype], self.placement,
+            self.timeout_s, self.pair_direction,
+        )  # fmt: skip
+        transport = open_transport(
+            self.backend, spec, f"pcie_a2a.{gathered[0][1]}", self._check_all
         )
-        # Garbage collection and interpreter exit cannot close collectively: abandon() frees
-        # what no peer can still write into and leaves the rest to the process exit.
+        # Garbage collection and interpreter exit cannot close collectively: abandon()
+        # releases what no peer can still write into and leaves the rest to the process exit.
         self._finalizer = weakref.finalize(self, transport.abandon)
         if transport.numa_warning:
             warnings.warn(f"pcie_a2a rank {self.rank}: {transport.numa_warning}", stacklevel=4)
         self._transport = transport
-        self._device_side = bool(getattr(transport, "device_side", False))
-
-    def _bootstrap_shm(self, native, prefix: str) -> None:
-        names = [native.ShmTransport.segment_name(prefix, r) for r in range(self.world)]
-        self._finalizer = weakref.finalize(self, _release, None, names)
-        code = {"bf16": 0, "fp16": 1, "fp8": 2}[self.payload]
-        transport, error = None, None
-        try:
-            transport = native.ShmTransport(
-                prefix,
-                self.rank,
-                self.world,
-                self.hidden,
-                self.max_tokens_per_rank,
-                self.num_topk,
-                code,
-                _DTYPES[self.dtype],
-                [int(d == "pull") for row in self.pair_direction for d in row],
-                self.timeout_s,
-            )
-        except Exception as exc:  # reported to every rank below
-            error = f"rank {self.rank}: {exc}"
-        self._finalizer.detach()
-        self._finalizer = weakref.finalize(self, _release, transport, names)
-        self._check_all(error, "creating shared memory")
-        try:
-            transport.attach_peers()
-        except Exception as exc:
-            error = f"rank {self.rank}: {exc}"
-        self._check_all(error, "attaching peers")
-        transport.unlink_own()  # everyone has mapped it: the name is no longer needed
-        if transport.numa_warning:
-            warnings.warn(f"pcie_a2a rank {self.rank}: {transport.numa_warning}", stacklevel=4)
-        self._transport = _HostPointers(transport)
+        self._closed = False
 
     def _check_all(self, error: str | None, what: str) -> None:
+        """Raises on every rank when any rank's local bootstrap step failed."""
         errors = [e for e in self._gather(error) if e]
         if errors:
-            self._finalizer()
             raise RuntimeError(f"Buffer bootstrap failed while {what}: " + "; ".join(errors))
 
     # ---- lifecycle ---------------------------------------------------------------------
@@ -365,12 +283,13 @@ class Buffer:
         undefined behaviour). A Buffer dropped without close() (or alive at interpreter
         exit) is released the same way without waiting."""
         if not self._closed:
+            try:  # stats() stays readable after close (the counts of the last calls)
+                self._final_stats = self.stats()
+            except Exception:  # a failed transport: close anyway
+                self._final_stats = None
             self._closed = True
-            if self.backend == "cuda":
-                self._finalizer.detach()
-                self._transport.close()
-            else:
-                self._finalizer()
+            self._finalizer.detach()
+            self._transport.close()
             self._transport = None
 
     def __enter__(self) -> Buffer:
@@ -394,28 +313,34 @@ class Buffer:
         turns into PeerTimeoutError / PeerAbortedError / PeerError. The CPU transport
         raises in the call itself, so there this only checks that the Buffer is usable."""
         self._check_usable()
-        if self.backend == "cuda":
-            self._protocol(self._transport.check)
+        self._protocol(self._transport.check)
 
     # ---- stats -------------------------------------------------------------------------
     def stats(self) -> dict:
-        """Bytes this rank wrote into each rank's memory, in the last call and in total.
+        """Bytes this rank wrote into each rank's memory, in the last call and in total,
+        and the transport's per-pair decisions.
 
         Entry ``[self.rank]`` is the local copy; ``*_wire_bytes`` exclude it (bytes that
-        cross a link).
+        cross a link). ``decisions``: for each pair this rank sends on, the path, direction,
+        engine and phase the transport uses and why, with the topology plan's decision for
+        the pair where there is a plan (:func:`pcie_a2a.transport.pair_decisions`).
         """
-        s = self._stats
+        if self._closed:
+            if getattr(self, "_final_stats", None) is None:
+                raise RuntimeError("this Buffer is closed")
+            return self._final_stats
         me = self.rank
-        if self._device_side:  # counted by the send kernels (graph replays too); reads them now
-            s = _Stats(*self._transport.byte_stats())
+        # the CUDA transport's send kernels count on the device (graph replays too)
+        last, total, calls = self._transport.byte_stats()
         return {
-            "calls": s.calls,
-            "last_bytes_per_rank": list(s.last),
-            "total_bytes_per_rank": list(s.total),
-            "last_wire_bytes": sum(b for r, b in enumerate(s.last) if r != me),
-            "total_wire_bytes": sum(b for r, b in enumerate(s.total) if r != me),
-            "numa_node": getattr(self._transport, "numa_node", -1),
-            "numa_bound": bool(getattr(self._transport, "numa_bound", False)),
+            "calls": calls,
+            "last_bytes_per_rank": list(last),
+            "total_bytes_per_rank": list(total),
+            "last_wire_bytes": sum(b for r, b in enumerate(last) if r != me),
+            "total_wire_bytes": sum(b for r, b in enumerate(total) if r != me),
+            "numa_node": self._transport.numa_node,
+            "numa_bound": bool(self._transport.numa_bound),
+            "decisions": self._transport.decisions(),
         }
 
     def expert_load(self) -> torch.Tensor:
@@ -450,12 +375,7 @@ class Buffer:
         self._load.index_add_(0, flat * valid, valid.long())
 
     def _record(self) -> None:
-        if self._device_side:  # the device keeps the statistics (see stats)
-            return
-        last = list(self._transport.last_bytes())
-        self._stats.last = last
-        self._stats.total = [a + b for a, b in zip(self._stats.total, last)]
-        self._stats.calls += 1
+        self._transport.record()
 
     # ---- layout ------------------------------------------------------------------------
     def get_dispatch_layout(
@@ -603,11 +523,11 @@ class Buffer:
         else:
             self._combine_calls += 1
             parity = self._combine_calls & 1
-        if self._device_side:
-            # A problem an earlier call's kernels recorded (host-mapped word: no sync). Bad
-            # ids of this rank raise ValueError and abort this call on the wire, as the host
-            # check's ValueError does; a peer's failure marks the Buffer failed.
-            self._guard(self._seq, op, self._protocol, self._transport.check)
+        # A problem an earlier call's kernels recorded (CUDA: a host-mapped word, no sync;
+        # CPU: nothing, its calls raise). Bad ids of this rank raise ValueError and abort
+        # this call on the wire, as the host check's ValueError does; a peer's failure
+        # marks the Buffer failed.
+        self._guard(self._seq, op, self._protocol, self._transport.check)
         return self._seq, parity
 
     def _guard(self, seq: int, op: int, fn, *args):
@@ -663,7 +583,7 @@ class Buffer:
 
     def _send_half(self, seq: int, op: int, parity: int, x, topk_ids, topk_weights):
         x = self._guard(seq, op, self._check_x, x)
-        on_device = self._device_side and op == _OP_LL_DISPATCH
+        on_device = self._transport.ids_checked_on_device(op)
         ids = self._guard(seq, op, self._check_topk_ids, topk_ids, x.shape[0], on_device)
         w = self._guard(seq, op, self._check_weights, topk_weights, ids).contiguous()
         m = self.max_tokens_per_rank
@@ -678,7 +598,7 @@ class Buffer:
             ids,
             w,
             ids.shape[1],
-            None if self.backend == "cuda" else self._placement_table(),
+            self._placement_table(),
             send_token,
             send_count,
         )
@@ -773,11 +693,9 @@ class Buffer:
         )
 
     def _filled(self, shape: tuple[int, ...], dtype: torch.dtype, value: int) -> torch.Tensor:
-        """An output the CPU transport fills only where it has rows; the CUDA kernels write
-        every element (a fill would be one more kernel launch per call)."""
-        if self._device_side:
-            return torch.empty(*shape, dtype=dtype, device=self.device)
-        return torch.full(shape, value, dtype=dtype, device=self.device)
+        """An output of the receive half, ``value`` wherever no row lands (the transport
+        decides whether it must fill it: see Transport.output)."""
+        return self._transport.output(shape, dtype, value)
 
     def low_latency_dispatch(
         self,
@@ -813,10 +731,9 @@ class Buffer:
         sent = self._send_half(seq, _OP_LL_DISPATCH, parity, x, topk_ids, topk_weights)
 
         def receive() -> DispatchResult:
-            if self._device_side:  # the receive kernel writes them
-                counts = self._transport.ll_counts()
-            else:
-                counts, _ = self._receive_counts(seq, _OP_LL_DISPATCH)
+            counts = self._protocol(
+                self._transport.ll_recv_counts, seq & 0xFFFFFFFF, _OP_LL_DISPATCH, self.timeout_s
+            )
             return self._ll_unpack(parity, layout, return_fp8, *sent, counts)
 
         return self._with_hook(receive, return_recv_hook, "low_latency_dispatch", seq)
@@ -909,11 +826,11 @@ class Buffer:
         return y
 
     def _combine(self, seq, op, parity, rows: torch.Tensor, handle: DispatchHandle, hook=False):
-        args = [seq & 0xFFFFFFFF, op, parity, rows, handle.recv_count, handle.row_base]
-        if self.backend == "cuda" and handle.recv_count_host is not None:
-            # the copy-engine path sizes its copies on the host: spare it a device read
-            args += [handle.recv_count_host, handle.row_base_host]
-        self._transport.combine_send(*args)
+        # recv_count_host (normal mode): a copy-engine path sizes its copies on the host
+        self._transport.combine_send(
+            seq & 0xFFFFFFFF, op, parity, rows, handle.recv_count, handle.row_base,
+            handle.recv_count_host, handle.row_base_host,
+        )  # fmt: skip
         return self._combine_receive(seq, op, parity, handle, hook)
 
     def _combine_receive(self, seq, op, parity, handle: DispatchHandle, hook: bool):
@@ -967,50 +884,19 @@ class Buffer:
             y = self._guard(seq, op, self._check_y, y, (w, m, self.hidden))
             return self._combine(seq, op, parity, y, handle, return_recv_hook)
         y = self._guard(seq, op, self._check_y, y, (self.num_local_experts, w * m, self.hidden))
-        if self._device_side:  # the weighted pre-reduction fused into the push: one kernel
-            self._transport.combine_send_expert_major(
-                seq & 0xFFFFFFFF,
-                op,
-                parity,
-                y,
-                handle.recv_count,
-                handle.expert_pos,
-                handle.row_experts,
-                handle.row_weights,
-            )
-            return self._combine_receive(seq, op, parity, handle, return_recv_hook)
-        rows = torch.empty(w * m, self.hidden, dtype=self.dtype, device=self.device)
-        self._transport.reduce_expert_major(
+        # CUDA: the weighted pre-reduction fused into the push (one kernel); CPU: reduce, send
+        self._transport.combine_send_expert_major(
+            seq & 0xFFFFFFFF,
+            op,
+            parity,
             y,
             handle.recv_count,
+            handle.row_base,
             handle.expert_pos,
             handle.row_experts,
             handle.row_weights,
-            self.num_local_experts,
-            rows,
         )
-        return self._combine(seq, op, parity, rows, handle, return_recv_hook)
-
-
-def _device_for(backend: str) -> torch.device:
-    """Where a Buffer of this backend keeps its tensors."""
-    return (
-        torch.device("cuda", torch.cuda.current_device())
-        if backend == "cuda"
-        else torch.device("cpu")
-    )
-
-
-def _release(transport, names: list[str]) -> None:
-    """Unmaps and removes every name of the group that may still exist (idempotent)."""
-    if transport is not None:
-        transport.close()
-    try:
-        native = _native.transport()
-    except ImportError:  # interpreter shutdown
-        return
-    for name in names:
-        native.ShmTransport.unlink_name(name)
+        return self._combine_receive(seq, op, parity, handle, return_recv_hook)
 
 
 def _check_pair_direction(direction: Any, world: int) -> tuple[tuple[str, ...], ...]:
@@ -1027,23 +913,3 @@ def _check_pair_direction(direction: Any, world: int) -> tuple[tuple[str, ...], 
                 allowed = "'push' (a rank never pulls from itself)" if s == d else "'push', 'pull'"
                 raise _fail(ValueError, f"pair_direction[{s}][{d}]", repr(v), allowed)
     return tuple(tuple(r) for r in rows)
-
-
-def _ptr(arg: Any) -> Any:
-    if isinstance(arg, torch.Tensor):
-        return arg.data_ptr()
-    return 0 if arg is None else arg
-
-
-class _HostPointers:
-    """The CPU transport's binding takes raw pointers: this passes tensors as such, so
-    that Buffer code is the same for every transport."""
-
-    def __init__(self, native: Any):
-        self.native = native
-
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self.native, name)
-        if not callable(attr):
-            return attr
-        return lambda *args: attr(*(_ptr(a) for a in args))

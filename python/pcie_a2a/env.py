@@ -7,6 +7,7 @@ allowed.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -97,6 +98,27 @@ def direction() -> str | None:
     """PCIE_A2A_DIRECTION: ``push`` or ``pull`` for every P2P pair (default auto: the plan
     decides per pair from the probe or the topology class)."""
     return _choice("PCIE_A2A_DIRECTION", ("push", "pull"))
+
+
+@contextlib.contextmanager
+def direction_forced(value: str | None):
+    """Sets PCIE_A2A_DIRECTION to ``value`` ("push"/"pull"; None or "auto": unset) for the
+    ``with`` block, then restores it (``pcie-a2a bench --direction`` builds one Buffer per
+    direction in one process)."""
+    if value not in (None, "auto", "push", "pull"):
+        raise ValueError(f"PCIE_A2A_DIRECTION={value!r}: expected auto or one of push, pull")
+    old = os.environ.get("PCIE_A2A_DIRECTION")
+    if value in (None, "auto"):
+        os.environ.pop("PCIE_A2A_DIRECTION", None)
+    else:
+        os.environ["PCIE_A2A_DIRECTION"] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("PCIE_A2A_DIRECTION", None)
+        else:
+            os.environ["PCIE_A2A_DIRECTION"] = old
 
 
 def engine() -> str | None:

@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from pcie_a2a.bench import device
+from pcie_a2a.bench import arms, device
 from pcie_a2a.bench.routing import ROUTINGS, RoutingSpec, check_spec
 
 PAYLOADS = ("bf16", "fp8")
@@ -88,6 +88,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         default="normal",
         help="normal (dispatch/combine) or "
         "low_latency (low_latency_dispatch rows layout / low_latency_combine)",
+    )
+    p.add_argument(
+        "--direction",
+        default="auto",
+        help="comma list of auto, push, pull (or all): besides pcie_a2a with the plan's "
+        "per-pair directions (auto, always run), a pcie_a2a arm per forced direction "
+        "(PCIE_A2A_DIRECTION) in the same loop; a direction the transport does not "
+        "implement is reported as not run (default auto)",
     )
     p.add_argument(
         "--iters",
@@ -195,6 +203,7 @@ def resolve(args: argparse.Namespace, world: int) -> dict:
         "experts": val["experts"],
         "topk": val["topk"],
         "mode": args.mode,
+        "directions": arms.parse_directions(args.direction),
         "iters": val["iters"],
         "warmup": val["warmup"],
         "max_seconds": val["max_seconds"],
@@ -299,8 +308,11 @@ def main(args: argparse.Namespace) -> int:
     print()
     print(report.table(summary))
     print()
-    for line in report.target_lines(summary) + report.checks(summary):
+    failed = report.checks(summary) + arms.checks(summary, report.TOLERANCE)
+    for line in report.target_lines(summary) + arms.lines(summary) + failed:
         print(line)
+    for name, why in _not_run(summary).items():
+        print(f"pcie-a2a bench: {name}: not run: {why}", file=sys.stderr)
     doc = {
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "command": _command(),
@@ -323,7 +335,17 @@ def main(args: argparse.Namespace) -> int:
             f"{_plot_machine(mach)}",
         )
         print(f"plot: {png}" if why is None else f"plot skipped: {why}")
-    return 1 if error or report.checks(summary) else 0
+    return 1 if error or failed else 0
+
+
+def _not_run(summary: list[dict]) -> dict[str, str]:
+    """The arms that did not run (a forced direction the transport lacks), once each."""
+    out: dict[str, str] = {}
+    for res in summary:
+        for name, a in res.get("arms", {}).items():
+            if "unavailable" in a:
+                out.setdefault(name, a["unavailable"])
+    return out
 
 
 def _plot_machine(mach: dict) -> str:

@@ -14,6 +14,12 @@ dispatch and combine: measured by the transport for ours, analytic for the basel
 * ``ag_rs``: ``all_gather_into_tensor`` of x (and of the routing), every rank runs its
   local experts over all tokens, ``reduce_scatter_tensor`` of the partial outputs (or
   all-gather + local sum where the backend lacks reduce-scatter).
+* ``ar_ep``: what SGLang's ``--ep`` with ``--moe-a2a-backend none`` does at decode: the
+  tokens are replicated on every rank (no dispatch), each rank runs its local experts over
+  all of them, and the MoE output ``[tokens, hidden]`` bf16 is ``all_reduce``d (the
+  combine phase). Its inputs are the same on every rank (``replicated``).
+* ``pcie_a2a[push]`` / ``pcie_a2a[pull]``: :class:`Ours` on a Buffer built with
+  PCIE_A2A_DIRECTION forced (``--direction``; bench/arms.py).
 
 The stand-in expert is :func:`pcie_a2a.reference.scale_expert` with *local* expert ids,
 so the three produce the same output up to rounding (checked before timing).
@@ -63,8 +69,10 @@ def expected_output(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, e_local
 
 class Ours:
     name = "pcie_a2a"
+    replicated = False
 
-    def __init__(self, buf, low_latency: bool, clock=now):
+    def __init__(self, buf, low_latency: bool, clock=now, name: str = "pcie_a2a"):
+        self.name = name
         self.buf = buf
         self.low_latency = low_latency
         self.clock = clock
@@ -96,6 +104,7 @@ class Ours:
 
 class PerExpertA2A:
     name = "a2a"
+    replicated = False
 
     def __init__(self, group, world: int, rank: int, num_experts: int, clock=now):
         self.group, self.world, self.rank = group, world, rank
@@ -153,6 +162,7 @@ def reduce_scatter_works(group, device: torch.device | None = None) -> bool:
 
 class AllGatherReduceScatter:
     name = "ag_rs"
+    replicated = False
 
     def __init__(self, group, world: int, rank: int, num_experts: int, has_rs: bool, clock=now):
         self.group, self.world, self.rank = group, world, rank
@@ -190,4 +200,33 @@ class AllGatherReduceScatter:
             peers = world - 1
             combine_rows = t if self.has_rs else world * t
             self.wire = (peers * t * (2 * h + 8 * k), peers * combine_rows * 2 * h)
+        return out, (t0, t1, t2, t3)
+
+
+class AllReduceEP:
+    """SGLang's EP without an all-to-all (``--moe-a2a-backend none``): replicated tokens,
+    local experts over all of them, ``all_reduce`` of the output (see the module comment)."""
+
+    name = "ar_ep"
+    replicated = True  # x, ids, w are the same on every rank
+
+    def __init__(self, group, world: int, rank: int, num_experts: int, clock=now):
+        self.group, self.world, self.rank = group, world, rank
+        self.e_local = num_experts // world
+        self.clock = clock
+        self.wire = (0, 0)
+
+    def step(self, x, ids, w, record: bool = False):
+        now = self.clock
+        t0 = now()
+        t1 = t0  # no dispatch: the tokens are already on every rank
+        lo = self.rank * self.e_local
+        mine = (ids >= lo) & (ids < lo + self.e_local)
+        local = torch.where(mine, ids - lo, torch.full_like(ids, -1))
+        out = expert(x, local, torch.where(mine, w, 0.0))
+        t2 = now()
+        dist.all_reduce(out, group=self.group)
+        t3 = now()
+        if record:  # a ring all-reduce sends 2 (W - 1) / W of the tensor per rank
+            self.wire = (0, 2 * (self.world - 1) * out.numel() * out.element_size() // self.world)
         return out, (t0, t1, t2, t3)

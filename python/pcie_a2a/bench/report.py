@@ -12,6 +12,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pcie_a2a.bench import arms
+
 PHASES = ("dispatch", "combine", "disp+comb", "d+e+c")
 BASELINES = ("a2a", "ag_rs")
 OURS = "pcie_a2a"
@@ -128,6 +130,8 @@ def summarize(raw: dict) -> list[dict]:
                     "samples_us": [round(float(v), 2) for v in us],
                 }
             methods[name] = {"max_rel_err": m["max_rel_err"], "phases": phases}
+        # the --direction arms and ar_ep go to "arms" (bench/arms.py), ratios to ours
+        extra = {n: methods.pop(n) for n in list(methods) if n not in (OURS, *BASELINES)}
         ours = methods[OURS]["phases"]
         for base in BASELINES:
             if base not in methods:  # did not run (ranks share a GPU): say so, no ratio
@@ -137,10 +141,12 @@ def summarize(raw: dict) -> list[dict]:
                 ph: methods[base]["phases"][ph]["p50_us"] / max(ours[ph]["p50_us"], 1e-9)
                 for ph in PHASES
             }
-        out.append(
-            {k: res[k] for k in ("tokens", "payload", "routing", "iters", "ranks_per_token")}
-            | {"methods": methods}
-        )
+        entry = {k: res[k] for k in ("tokens", "payload", "routing", "iters", "ranks_per_token")}
+        entry["methods"] = methods
+        unavailable = res.get("unavailable_arms", {})
+        if extra or unavailable:
+            entry["arms"] = arms.summarize(ours, extra, unavailable)
+        out.append(entry)
     return out
 
 

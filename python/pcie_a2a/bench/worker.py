@@ -24,9 +24,10 @@ import torch
 import torch.distributed as dist
 
 import pcie_a2a
-from pcie_a2a.bench import device, memory
+from pcie_a2a.bench import arms, device, memory
 from pcie_a2a.bench.methods import (
     AllGatherReduceScatter,
+    AllReduceEP,
     Ours,
     PerExpertA2A,
     all_gather,
@@ -109,23 +110,35 @@ def run_sweep(cfg: dict, group=None, emit=None) -> dict | None:
                 results.append(skipped)
                 emit("result", skipped)
             continue
-        buf = pcie_a2a.Buffer(
-            group,
-            cfg["experts"],
-            cfg["hidden"],
-            tokens,
-            payload=payload,
-            num_topk=cfg["topk"],
-            backend=cfg["backend"],
-            timeout_s=cfg["call_timeout"],
-        )
+
+        def make_buffer(tokens=tokens, payload=payload, pair_direction=None):
+            return pcie_a2a.Buffer(
+                group,
+                cfg["experts"],
+                cfg["hidden"],
+                tokens,
+                payload=payload,
+                num_topk=cfg["topk"],
+                backend=cfg["backend"],
+                timeout_s=cfg["call_timeout"],
+                pair_direction=pair_direction,
+            )
+
+        buf = make_buffer()
+        forced: list = []
         try:
-            methods = [Ours(buf, cfg["mode"] == "low_latency", clock)]
+            ll = cfg["mode"] == "low_latency"
+            forced, unavailable = arms.direction_buffers(make_buffer, cfg["directions"], group)
+            methods = [Ours(buf, ll, clock)]
+            methods += [Ours(b, ll, clock, arms.arm_name(d)) for d, b in forced]
             if na is None:
                 methods += [
                     PerExpertA2A(group, world, rank, cfg["experts"], clock),
                     AllGatherReduceScatter(group, world, rank, cfg["experts"], has_rs, clock),
+                    AllReduceEP(group, world, rank, cfg["experts"], clock),
                 ]
+            else:
+                unavailable[arms.AR_EP] = na
             for routing in cfg["routings"]:
                 done += 1
                 label = f"{done}/{total} tokens={tokens} payload={payload} routing={routing}"
@@ -134,6 +147,7 @@ def run_sweep(cfg: dict, group=None, emit=None) -> dict | None:
                 res = _run_config(cfg, group, (rank, world, dev, comm), methods, tokens, routing)
                 if rank == 0:
                     res.update(tokens=tokens, payload=payload, routing=routing)
+                    res["unavailable_arms"] = dict(unavailable)
                     results.append(res)
                     emit("result", res)
                     _progress(
@@ -143,6 +157,8 @@ def run_sweep(cfg: dict, group=None, emit=None) -> dict | None:
                         f"(sweep {time.monotonic() - start:.0f} s)",
                     )
         finally:
+            for _, b in forced:
+                b.close()
             buf.close()
     if rank != 0:
         return None
@@ -163,14 +179,25 @@ def _run_config(cfg, group, where, methods, tokens, routing) -> dict:
     ids_cpu, w_cpu = make_routing(spec, tokens, rank)  # generated on the host: same everywhere
     g = torch.Generator().manual_seed(cfg["seed"] * 7 + rank)
     x_cpu = torch.randn(tokens, cfg["hidden"], generator=g).to(torch.bfloat16)
-    want = expected_output(x_cpu, ids_cpu, w_cpu, cfg["experts"] // world)
-    x, ids, w = x_cpu.to(dev), ids_cpu.to(dev), w_cpu.to(dev)
-    scale = float(want.abs().max()) if want.numel() else 1.0
+    e_local = cfg["experts"] // world
+    want = expected_output(x_cpu, ids_cpu, w_cpu, e_local)
+    # the replicated arm (ar_ep) gets rank 0's tokens on every rank
+    ids_rep, w_rep = make_routing(spec, tokens, 0)
+    x_rep = torch.randn(
+        tokens, cfg["hidden"], generator=torch.Generator().manual_seed(cfg["seed"] * 7)
+    ).to(torch.bfloat16)
+    want_rep = expected_output(x_rep, ids_rep, w_rep, e_local)
+    inputs = {
+        False: (x_cpu.to(dev), ids_cpu.to(dev), w_cpu.to(dev)),
+        True: (x_rep.to(dev), ids_rep.to(dev), w_rep.to(dev)),
+    }
     errors, wires = [], []
     for m in methods:  # untimed: correctness and wire bytes
-        out, _ = m.step(x, ids, w, record=True)
+        out, _ = m.step(*inputs[m.replicated], record=True)
         out = out.float().cpu()
-        err = float((out - want).abs().max()) / max(scale, 1e-12) if out.numel() else 0.0
+        ref = want_rep if m.replicated else want
+        scale = float(ref.abs().max()) if ref.numel() else 1.0
+        err = float((out - ref).abs().max()) / max(scale, 1e-12) if out.numel() else 0.0
         errors.append(err)
         wires.append(m.wire)
     per_iter, warm_start = 0.0, time.perf_counter()
@@ -178,7 +205,7 @@ def _run_config(cfg, group, where, methods, tokens, routing) -> dict:
         t0 = time.perf_counter()
         for m in methods:
             dist.barrier(group)
-            m.step(x, ids, w)
+            m.step(*inputs[m.replicated])
         per_iter = time.perf_counter() - t0
         # long configs stop warming up after a quarter of --max-seconds (ranks agree)
         spent = time.perf_counter() - warm_start
@@ -194,7 +221,7 @@ def _run_config(cfg, group, where, methods, tokens, routing) -> dict:
         shift = it % len(methods)
         for i in list(range(shift, len(methods))) + list(range(shift)):
             dist.barrier(group)
-            _, stamps = methods[i].step(x, ids, w)
+            _, stamps = methods[i].step(*inputs[methods[i].replicated])
             marks[i, it] = torch.tensor(stamps)
     # phases per rank: dispatch, combine, dispatch+combine, dispatch+expert+combine
     d = marks[..., 1] - marks[..., 0]
