@@ -20,8 +20,12 @@ ONE_GPU = ROOT / "benchmarks" / "bench_allreduce_one_gpu.py"
 
 
 def _bench(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {"PYTHONPATH": str(ROOT / "python")}
     import os
+
+    import pcie_a2a
+
+    # the pcie_a2a this test imported (the source tree in a dev build, site-packages in CI)
+    env = {"PYTHONPATH": str(Path(pcie_a2a.__file__).resolve().parents[1])}
 
     return subprocess.run(
         [sys.executable, "-m", "pcie_a2a", "bench", "--op", "allreduce", *args],

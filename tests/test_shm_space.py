@@ -34,7 +34,11 @@ def in_small_shm(
                            capture_output=True, text=True)  # fmt: skip
     if probe.returncode != 0:
         pytest.skip(f"cannot mount a private tmpfs on /dev/shm here: {probe.stderr.strip()}")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "python"), str(ROOT / "tests")]))
+    import pcie_a2a
+
+    # the pcie_a2a this test imported (the source tree in a dev build, site-packages in CI)
+    pkg = str(Path(pcie_a2a.__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([pkg, str(ROOT / "tests")]))
     cmd = f'mount -t tmpfs -o size={size} tmpfs /dev/shm && exec "{sys.executable}" -c "$0"'
     return subprocess.run(["unshare", "-m", "sh", "-c", cmd, script], capture_output=True,
                           text=True, env=env, timeout=timeout)  # fmt: skip
