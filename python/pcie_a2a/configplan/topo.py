@@ -9,11 +9,21 @@ from pathlib import Path
 from pcie_a2a.topology import Gpu, NumaNode, P2PStatus, Probe, Topology, TopologyError, current
 from pcie_a2a.topology.sources import load_with_probe
 
-_CHECKOUT = Path(__file__).resolve().parents[3]
-FIXTURE_DIRS = (
-    _CHECKOUT.parent / "shared" / "fixtures" / "topology",
-    _CHECKOUT / "tests" / "fixtures" / "topology",
-)
+_CHECKOUT = Path(__file__).resolve().parents[3]  # a source checkout (python/pcie_a2a/...)
+
+
+def _fixture_dirs() -> tuple[Path, ...]:
+    """Where fixture names resolve: beside this source checkout, or, for an installed
+    package, beside the checkout the command runs in (the current directory)."""
+    roots = dict.fromkeys((_CHECKOUT, Path.cwd().resolve()))
+    return tuple(
+        d
+        for root in roots
+        for d in (
+            root.parent / "shared" / "fixtures" / "topology",
+            root / "tests" / "fixtures" / "topology",
+        )
+    )
 
 
 def synthetic_topology(n: int, gen: int) -> Topology:
@@ -29,14 +39,14 @@ def synthetic_topology(n: int, gen: int) -> Topology:
 
 
 def fixture_names() -> list[str]:
-    for d in FIXTURE_DIRS:
+    for d in _fixture_dirs():
         if d.is_dir():
             return sorted({p.name.split(".")[0] for p in d.glob("*.txt")})
     return []
 
 
 def _fixture(name: str) -> Path | None:
-    for d in FIXTURE_DIRS:
+    for d in _fixture_dirs():
         if not d.is_dir():
             continue
         for suffix in (
@@ -87,7 +97,7 @@ def resolve(arg: str | None, num_gpus: int | None, gen: int) -> tuple[Topology, 
 
 def probe_companion(name: str) -> Path | None:
     """The measured-pairs dump (``<name>.p2p.txt``) that sits beside a fixture's topology."""
-    for d in FIXTURE_DIRS:
+    for d in _fixture_dirs():
         p = d / f"{name}.p2p.txt"
         if p.is_file() and _fixture(name) != p:
             return p
