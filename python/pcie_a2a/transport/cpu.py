@@ -50,18 +50,17 @@ class CpuTransport(Transport):
     def __init__(self, group: dist.ProcessGroup, rank: int, world: int, hidden: int,
                  max_tokens: int, num_topk: int, payload: int, dtype: int, *, prefix: str,
                  check_all: Callable[[str | None, str], None],
-                 pair_direction: tuple[tuple[str, ...], ...] | None = None,
-                 timeout_s: float = 60.0):  # fmt: skip
+                 pair_direction: tuple[tuple[str, ...], ...], timeout_s: float):  # fmt: skip
         native = _native.transport()
         self.rank, self.world = rank, world
-        self.pair_direction = pair_direction or tuple(("push",) * world for _ in range(world))
+        self.pair_direction = pair_direction  # [src][dst], checked by Buffer
         names = [native.ShmTransport.segment_name(prefix, r) for r in range(world)]
         self._finalizer = weakref.finalize(self, _release, None, names)
         tx, error = None, None
         try:
-            pull = [int(d == "pull") for row in (pair_direction or ()) for d in row]
+            pull = [int(d == "pull") for row in pair_direction for d in row]
             tx = native.ShmTransport(prefix, rank, world, hidden, max_tokens, num_topk, payload,
-                                     dtype, pull or [0] * (world * world), timeout_s)  # fmt: skip
+                                     dtype, pull, timeout_s)  # fmt: skip
         except Exception as exc:  # reported to every rank below
             error = f"rank {rank}: {exc}"
         self._finalizer.detach()
