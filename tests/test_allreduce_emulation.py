@@ -460,7 +460,7 @@ _BY_NAME = {s.name: s for s in SCENARIOS}
 def _mutant(base: Path, tmp: Path, n: int) -> Path:
     fname, old, new, _ = MUTATIONS[n]
     tree = tmp / f"m{n}" / "csrc"
-    for sub in ("core", "cuda/allreduce", "cuda/transport"):
+    for sub in ("core", "cuda/common", "cuda/allreduce", "cuda/transport"):
         shutil.copytree(CSRC / sub, tree / sub)
     mutate(tree / fname, old, new, f"mutation {n}")
     if fname.endswith(".cu"):

@@ -883,7 +883,7 @@ _BY_NAME = {s.name: s for s in SCENARIOS}
 def _mutant(base: Path, tmp: Path, n: int, mutations=MUTATIONS, fast: bool = True) -> Path:
     fname, old, new, _ = mutations[n]
     tree = tmp / f"m{n}" / "csrc"
-    for sub in ("core", "cuda/transport"):
+    for sub in ("core", "cuda/common", "cuda/transport"):
         shutil.copytree(CSRC / sub, tree / sub)
     mutate(tree / "cuda" / "transport" / fname, old, new, f"mutation {n}")
     rebuild = {

@@ -5,44 +5,14 @@
 #include <cstring>
 
 #include "core/exception.h"
+#include "cuda/common/cuda_check.cuh"
 
 namespace pa2a::ar {
+
+using cuda::check_launch;
+using cuda::DeviceGuard;
+
 namespace {
-
-#define PA2A_AR_CUDA_CHECK(call)                                             \
-  do {                                                                       \
-    const cudaError_t err_ = (call);                                         \
-    if (err_ != cudaSuccess) {                                               \
-      (void)cudaGetLastError();                                              \
-      PA2A_THROW(kRuntime, #call, " failed: ", cudaGetErrorName(err_), ": ", \
-                 cudaGetErrorString(err_), " at ", __FILE__, ":", __LINE__); \
-    }                                                                        \
-  } while (0)
-
-void check_launch(const char* what) {
-  const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess)
-    PA2A_THROW(kRuntime, "CUDA all-reduce: launching ", what, " failed: ", cudaGetErrorName(err),
-               ": ", cudaGetErrorString(err));
-}
-
-// Makes `device` current for the scope (the caller's thread may have another current).
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) : target_(device) {
-    if (cudaGetDevice(&prev_) != cudaSuccess) prev_ = -1;
-    if (prev_ != device) PA2A_AR_CUDA_CHECK(cudaSetDevice(device));
-  }
-  ~DeviceGuard() {
-    if (prev_ >= 0 && prev_ != target_) (void)cudaSetDevice(prev_);
-  }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int prev_ = -1;
-  int target_;
-};
 
 const char* phase_name(int phase) {
   return phase == kScatter ? "scatter" : phase == kGather ? "gather" : "end barrier";
@@ -69,22 +39,22 @@ CudaAllReduce::CudaAllReduce(int32_t rank, const Config& config, int32_t device,
   last_bytes_.assign(c.world, 0);
   DeviceGuard guard(device_);
   try {
-    PA2A_AR_CUDA_CHECK(cudaMalloc(&seg_, layout_.total));
+    PA2A_CUDA_CHECK(cudaMalloc(&seg_, layout_.total));
     // Flags start at call 0 (no call has that number); data needs no initial value.
-    PA2A_AR_CUDA_CHECK(cudaMemset(seg_, 0, layout_.data_off));
+    PA2A_CUDA_CHECK(cudaMemset(seg_, 0, layout_.data_off));
     SegmentHeader h{};
     h.magic = kMagic;
     h.version = kVersion;
     h.rank = rank_;
     h.pid = static_cast<int32_t>(::getpid());
     h.config = c;
-    PA2A_AR_CUDA_CHECK(cudaMemcpy(seg_, &h, sizeof(h), cudaMemcpyHostToDevice));
-    PA2A_AR_CUDA_CHECK(cudaMalloc(&state_, sizeof(DeviceState)));
-    PA2A_AR_CUDA_CHECK(cudaMemset(state_, 0, sizeof(DeviceState)));
-    PA2A_AR_CUDA_CHECK(
+    PA2A_CUDA_CHECK(cudaMemcpy(seg_, &h, sizeof(h), cudaMemcpyHostToDevice));
+    PA2A_CUDA_CHECK(cudaMalloc(&state_, sizeof(DeviceState)));
+    PA2A_CUDA_CHECK(cudaMemset(state_, 0, sizeof(DeviceState)));
+    PA2A_CUDA_CHECK(
         cudaHostAlloc(&err_host_, sizeof(uint64_t), cudaHostAllocMapped | cudaHostAllocPortable));
     *err_host_ = 0;
-    PA2A_AR_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&err_dev_), err_host_, 0));
+    PA2A_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&err_dev_), err_host_, 0));
   } catch (...) {
     close();
     throw;
@@ -103,7 +73,7 @@ std::string CudaAllReduce::ipc_handle() const {
   require_open("ipc_handle");
   DeviceGuard guard(device_);
   cudaIpcMemHandle_t h;
-  PA2A_AR_CUDA_CHECK(cudaIpcGetMemHandle(&h, seg_));
+  PA2A_CUDA_CHECK(cudaIpcGetMemHandle(&h, seg_));
   return std::string(reinterpret_cast<const char*>(&h), sizeof(h));
 }
 
@@ -250,7 +220,7 @@ void CudaAllReduce::run(Algo algo, DType dtype, const void* x, int64_t numel, co
              static_cast<uint4*>(out), numel};
   ++host_calls_;
   launch_all_reduce(k, algo, c, stream);
-  check_launch(algo == Algo::kOneShot ? "one_shot" : "two_shot");
+  check_launch(algo == Algo::kOneShot ? "all-reduce one_shot" : "all-reduce two_shot");
   count_bytes(algo, numel);
 }
 
@@ -260,7 +230,7 @@ void CudaAllReduce::abort(cudaStream_t stream) {
   DeviceGuard guard(device_);
   ++host_calls_;
   launch_abort(args(30.0), stream);
-  check_launch("abort");
+  check_launch("all-reduce abort");
   std::fill(last_bytes_.begin(), last_bytes_.end(), 0);
 }
 

@@ -14,46 +14,10 @@
 #include "core/dispatch_layout.h"
 #include "core/exception.h"
 #include "core/numa_memory.h"
+#include "cuda/common/cuda_check.cuh"
 
 namespace pa2a::cuda {
 namespace {
-
-#define PA2A_CUDA_CHECK(call)                                                \
-  do {                                                                       \
-    const cudaError_t err_ = (call);                                         \
-    if (err_ != cudaSuccess) {                                               \
-      (void)cudaGetLastError();                                              \
-      PA2A_THROW(kRuntime, #call, " failed: ", cudaGetErrorName(err_), ": ", \
-                 cudaGetErrorString(err_), " at ", __FILE__, ":", __LINE__); \
-    }                                                                        \
-  } while (0)
-
-// Launch errors surface at the next CUDA call; report them at the call that made them.
-void check_launch(const char* what) {
-  const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess)
-    PA2A_THROW(kRuntime, "CUDA transport: launching ", what, " failed: ", cudaGetErrorName(err),
-               ": ", cudaGetErrorString(err));
-}
-
-// Makes `device` current for the scope (the caller's thread may have another current).
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    if (cudaGetDevice(&prev_) != cudaSuccess) prev_ = -1;
-    if (prev_ != device) PA2A_CUDA_CHECK(cudaSetDevice(device));
-    target_ = device;
-  }
-  ~DeviceGuard() {
-    if (prev_ >= 0 && prev_ != target_) (void)cudaSetDevice(prev_);
-  }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int prev_ = -1;
-  int target_ = -1;
-};
 
 uint64_t timeout_ns(double s) {
   PA2A_CHECK_ARG(s > 0, "timeout_s must be positive, got ", s);
