@@ -1,6 +1,7 @@
 """A /dev/shm too small for a Buffer is a clear error, not a SIGBUS (issue 10 section 3,
-issue 15 section 3): both transports reserve a segment's space (posix_fallocate after the
-NUMA bind) before touching its pages, and say what is needed and how to get it.
+issue 15 section 3): both transports and the CPU all-reduce reserve a segment's space
+(posix_fallocate after the NUMA bind) before touching its pages, and say what is needed and
+how to get it.
 
 Docker's default /dev/shm is 64 MiB; ``ftruncate`` succeeds whatever the free space, and
 before the reservation the first page touch past it killed the process (exit 135, no
@@ -77,3 +78,36 @@ def test_cpu_transport_says_dev_shm_is_too_small():
     for part in ("/dev/shm is too small", "bytes (", "--shm-size=", "--ipc=host", "MiB free"):
         assert part in msg, (part, msg)
     assert out["small"] == [4, 128]  # a segment that fits is reserved and used
+
+
+_ALLREDUCE = textwrap.dedent(
+    """
+    import json
+    import torch, torch.distributed as dist
+    from dist_utils import free_port
+    import pcie_a2a
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                            world_size=1)
+    out = {}
+    try:  # 2 x 32 MiB of segment: more than the 16 MiB /dev/shm
+        pcie_a2a.AllReduce(None, 32 << 20, backend="cpu")
+        out["big"] = "created"
+    except RuntimeError as exc:
+        out["big"] = str(exc)
+    with pcie_a2a.AllReduce(None, 1 << 16, backend="cpu") as ar:  # fits: works
+        x = torch.randn(4096).to(torch.bfloat16)
+        out["small"] = torch.equal(ar.all_reduce(x.clone()), x)
+    print(json.dumps(out))
+    """
+)
+
+
+def test_cpu_allreduce_says_dev_shm_is_too_small():
+    """The all-reduce's segments take the same reservation (before it: SIGBUS, exit 135)."""
+    r = in_small_shm(_ALLREDUCE)
+    assert r.returncode == 0, f"exit {r.returncode} (135: SIGBUS)\n{r.stderr[-3000:]}"
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    msg = out["big"]
+    for part in ("/dev/shm is too small", "an all-reduce of this size", "--shm-size=", "max_bytes"):
+        assert part in msg, (part, msg)
+    assert out["small"] is True  # a segment that fits is reserved and used

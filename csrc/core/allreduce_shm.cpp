@@ -1,10 +1,7 @@
 #include "core/allreduce_shm.h"
 
-#include <fcntl.h>
 #include <sched.h>
 #include <signal.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -16,6 +13,7 @@
 
 #include "core/allreduce_math.h"
 #include "core/exception.h"
+#include "core/shm_segment.h"
 
 namespace pa2a::ar {
 namespace {
@@ -116,7 +114,7 @@ std::string ShmAllReduce::segment_name(const std::string& prefix, int32_t rank) 
 }
 
 bool ShmAllReduce::unlink_name(const std::string& name) {
-  return ::shm_unlink(name.c_str()) == 0;
+  return shm::unlink(name);
 }
 
 ShmAllReduce::ShmAllReduce(std::string prefix, int32_t rank, const Config& config, bool end_barrier)
@@ -137,28 +135,14 @@ ShmAllReduce::ShmAllReduce(std::string prefix, int32_t rank, const Config& confi
   last_bytes_.assign(c.world, 0);
   acc_.resize(kTile);
 
-  const std::string name = segment_name(prefix_, rank_);
-  const int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-  if (fd < 0) PA2A_THROW(kRuntime, "shm_open(", name, ") failed: ", std::strerror(errno));
+  // Receivers poll and sum from their own segment: keep it on this rank's NUMA node. Its
+  // space in /dev/shm is reserved first (every rank of the host has a segment).
+  shm::OwnSegment own =
+      shm::create(segment_name(prefix_, rank_), layout_.total, numa_node_of_current_cpu(), c.world,
+                  ShmUser{"an all-reduce", "max_bytes"});
   own_linked_ = true;
-  if (::ftruncate(fd, static_cast<off_t>(layout_.total)) != 0) {
-    const int err = errno;
-    ::close(fd);
-    close();
-    PA2A_THROW(kRuntime, "ftruncate(", name, ", ", layout_.total,
-               " bytes) failed: ", std::strerror(err), " (is /dev/shm large enough?)");
-  }
-  void* p = ::mmap(nullptr, layout_.total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  const int err = errno;
-  ::close(fd);
-  if (p == MAP_FAILED) {
-    close();
-    PA2A_THROW(kRuntime, "mmap of ", name, " (", layout_.total,
-               " bytes) failed: ", std::strerror(err));
-  }
-  // Receivers poll and sum from their own segment: keep it on this rank's NUMA node.
-  numa_ = numa_bind_and_touch(p, layout_.total, numa_node_of_current_cpu());
-  maps_[rank_] = p;
+  maps_[rank_] = own.data;
+  numa_ = std::move(own.numa);
   pids_[rank_] = static_cast<int32_t>(::getpid());
   SegmentHeader h{};
   h.magic = kMagic;
@@ -166,7 +150,7 @@ ShmAllReduce::ShmAllReduce(std::string prefix, int32_t rank, const Config& confi
   h.rank = rank_;
   h.pid = pids_[rank_];
   h.config = c;
-  std::memcpy(p, &h, sizeof(h));
+  std::memcpy(own.data, &h, sizeof(h));
 }
 
 ShmAllReduce::~ShmAllReduce() {
@@ -176,29 +160,9 @@ ShmAllReduce::~ShmAllReduce() {
 void ShmAllReduce::attach_peers() {
   for (int32_t r = 0; r < config_.world; ++r) {
     if (maps_[r] != nullptr) continue;
-    const std::string name = segment_name(prefix_, r);
-    const int fd = ::shm_open(name.c_str(), O_RDWR, 0);
-    if (fd < 0)
-      PA2A_THROW(kPeer, "rank ", rank_, " cannot open rank ", r, "'s all-reduce segment ", name,
-                 ": ", std::strerror(errno));
-    struct stat st{};
-    if (::fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) != layout_.total) {
-      ::close(fd);
-      PA2A_THROW(kPeer, "rank ", r, "'s all-reduce segment ", name, " has ", st.st_size,
-                 " bytes, expected ", layout_.total, ": the ranks disagree on the configuration");
-    }
-    void* p = ::mmap(nullptr, layout_.total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    const int err = errno;
-    ::close(fd);
-    if (p == MAP_FAILED)
-      PA2A_THROW(kRuntime, "mmap of rank ", r,
-                 "'s all-reduce segment failed: ", std::strerror(err));
-    maps_[r] = p;
-    SegmentHeader h{};
-    std::memcpy(&h, p, sizeof(h));
-    if (h.magic != kMagic || h.version != kVersion || h.rank != r)
-      PA2A_THROW(kPeer, "rank ", r, "'s segment ", name,
-                 " is not a pcie_a2a all-reduce segment of this version and rank");
+    const auto h =
+        shm::attach_peer<SegmentHeader>(maps_, segment_name(prefix_, r), layout_.total, rank_, r,
+                                        "all-reduce segment", kMagic, kVersion);
     pids_[r] = h.pid;
   }
 }
@@ -212,10 +176,7 @@ void ShmAllReduce::unlink_own() {
 
 void ShmAllReduce::close() {
   unlink_own();
-  for (auto& p : maps_) {
-    if (p != nullptr) ::munmap(p, layout_.total);
-    p = nullptr;
-  }
+  shm::unmap_all(maps_, layout_.total);
 }
 
 void ShmAllReduce::set_directions(const std::vector<uint8_t>& pull) {

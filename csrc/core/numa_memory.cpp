@@ -80,8 +80,8 @@ std::string mib(uint64_t bytes) {
   return std::to_string((bytes + (1u << 20) - 1) >> 20) + " MiB";
 }
 
-[[noreturn]] void throw_shm_too_small(size_t bytes, const std::string& name, int segments,
-                                      int err) {
+[[noreturn]] void throw_shm_too_small(size_t bytes, const std::string& name, int segments, int err,
+                                      const ShmUser& user) {
   struct statvfs fs{};
   const bool known = ::statvfs(kShmDir, &fs) == 0;
   const uint64_t total = known ? static_cast<uint64_t>(fs.f_blocks) * fs.f_frsize : 0;
@@ -90,29 +90,31 @@ std::string mib(uint64_t bytes) {
   // What to ask for: every segment of the Buffer plus what is already used, in 64 MiB steps.
   const uint64_t want = ((all + (total - avail)) + (64ull << 20) - 1) / (64ull << 20) * 64;
   PA2A_THROW(kRuntime, kShmDir, " is too small: pcie_a2a needs ", bytes, " bytes (", mib(bytes),
-             ") for the shared-memory segment ", name, " (a Buffer of this size has up to ",
+             ") for the shared-memory segment ", name, " (", user.what, " of this size has up to ",
              segments, " such segment", segments == 1 ? "" : "s", " on one host, ", mib(all), "); ",
              kShmDir, " has ", known ? mib(avail) : std::string("an unknown amount"), " free of ",
              known ? mib(total) : std::string("?"), " (", std::strerror(err),
              "). In a container, start it with --shm-size=", want,
              "m or more (or --ipc=host); on a host, enlarge the tmpfs (mount -o "
-             "remount,size=... /dev/shm); or make max_tokens_per_rank / hidden smaller");
+             "remount,size=... /dev/shm); or make ",
+             user.smaller, " smaller");
 }
 
 NumaBindResult bind_reserve_touch(void* p, size_t n, int node, bool simulate_refusal, int fd,
-                                  const std::string& name, int segments);
+                                  const std::string& name, int segments, const ShmUser& user);
 
 }  // namespace
 
-void reserve_shm_space(int fd, size_t bytes, const std::string& name, int segments) {
+void reserve_shm_space(int fd, size_t bytes, const std::string& name, int segments,
+                       const ShmUser& user) {
   const int rc = ::posix_fallocate(fd, 0, static_cast<off_t>(bytes));
   if (rc == 0) return;
-  if (rc == ENOSPC || rc == EFBIG) throw_shm_too_small(bytes, name, segments, rc);
+  if (rc == ENOSPC || rc == EFBIG) throw_shm_too_small(bytes, name, segments, rc, user);
   // A filesystem without fallocate (EOPNOTSUPP, EINVAL): check the free space instead.
   struct statvfs fs{};
   if (::statvfs(kShmDir, &fs) == 0 &&
       static_cast<uint64_t>(fs.f_bavail) * fs.f_frsize < static_cast<uint64_t>(bytes))
-    throw_shm_too_small(bytes, name, segments, ENOSPC);
+    throw_shm_too_small(bytes, name, segments, ENOSPC, user);
 }
 
 size_t page_size() {
@@ -157,18 +159,19 @@ int numa_node_of_address(const void* addr) {
 }
 
 NumaBindResult numa_bind_and_touch(void* p, size_t n, int node, bool simulate_refusal) {
-  return bind_reserve_touch(p, n, node, simulate_refusal, -1, "", 1);
+  return bind_reserve_touch(p, n, node, simulate_refusal, -1, "", 1, ShmUser{});
 }
 
 NumaBindResult numa_bind_reserve_and_touch(void* p, size_t n, int node, int fd,
-                                           const std::string& name, int segments) {
-  return bind_reserve_touch(p, n, node, false, fd, name, segments);
+                                           const std::string& name, int segments,
+                                           const ShmUser& user) {
+  return bind_reserve_touch(p, n, node, false, fd, name, segments, user);
 }
 
 namespace {
 
 NumaBindResult bind_reserve_touch(void* p, size_t n, int node, bool simulate_refusal, int fd,
-                                  const std::string& name, int segments) {
+                                  const std::string& name, int segments, const ShmUser& user) {
   const size_t page = page_size();
   PA2A_CHECK_ARG(p != nullptr && n > 0, "numa_bind_and_touch: empty range (p=", p, ", n=", n, ")");
   PA2A_CHECK_ARG(reinterpret_cast<uintptr_t>(p) % page == 0, "numa_bind_and_touch: address ", p,
@@ -194,7 +197,8 @@ NumaBindResult bind_reserve_touch(void* p, size_t n, int node, bool simulate_ref
                                  numa_node_of_current_cpu(), ")");
   }
 
-  if (fd >= 0) reserve_shm_space(fd, n, name, segments);  // after mbind: pages under the policy
+  // After mbind: the reserved pages are allocated under the policy.
+  if (fd >= 0) reserve_shm_space(fd, n, name, segments, user);
   touch_pages(p, n, page);
 
   auto* base = static_cast<char*>(p);

@@ -30,6 +30,13 @@ struct NumaBindResult {
 // that does not exist. `simulate_refusal` behaves as if mbind returned EPERM (tests).
 NumaBindResult numa_bind_and_touch(void* p, size_t n, int node, bool simulate_refusal = false);
 
+// Who a shared-memory segment is for, in the message of a /dev/shm too small for it: "<what>
+// of this size has up to N such segments ..."; "or make <smaller> smaller".
+struct ShmUser {
+  const char* what = "a Buffer";
+  const char* smaller = "max_tokens_per_rank / hidden";
+};
+
 // The same for a MAP_SHARED mapping of the POSIX shared-memory file `fd` (named `name`;
 // the host holds about `segments` such segments for one Buffer): between the bind and the
 // touch, the file's blocks are reserved with posix_fallocate. tmpfs (/dev/shm) allocates
@@ -38,10 +45,12 @@ NumaBindResult numa_bind_and_touch(void* p, size_t n, int node, bool simulate_re
 // mbind, the pages are allocated under the bound policy; a /dev/shm too small is then an
 // Error(kRuntime) naming /dev/shm, the bytes needed and free, and the container flags.
 NumaBindResult numa_bind_reserve_and_touch(void* p, size_t n, int node, int fd,
-                                           const std::string& name, int segments);
+                                           const std::string& name, int segments,
+                                           const ShmUser& user = ShmUser{});
 
 // Reserves `bytes` of the shared-memory file `fd` (see above); throws when they do not fit.
-void reserve_shm_space(int fd, size_t bytes, const std::string& name, int segments);
+void reserve_shm_space(int fd, size_t bytes, const std::string& name, int segments,
+                       const ShmUser& user = ShmUser{});
 
 // Number of NUMA nodes in /sys/devices/system/node (>= 1; 1 when sysfs has no node dir).
 int numa_num_nodes();

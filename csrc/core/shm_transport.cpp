@@ -1,10 +1,7 @@
 #include "core/shm_transport.h"
 
-#include <fcntl.h>
 #include <sched.h>
 #include <signal.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -15,15 +12,12 @@
 
 #include "core/exception.h"
 #include "core/numa_memory.h"
+#include "core/shm_segment.h"
 
 namespace pa2a {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-std::string errno_text(int err) {
-  return std::string(std::strerror(err));
-}
 
 // A peer that exited is gone or a zombie waiting to be reaped by its parent.
 bool process_alive(int32_t pid) {
@@ -81,7 +75,7 @@ std::string ShmTransport::segment_name(const std::string& prefix, int32_t rank) 
 }
 
 bool ShmTransport::unlink_name(const std::string& name) {
-  return ::shm_unlink(name.c_str()) == 0;
+  return shm::unlink(name);
 }
 
 ShmTransport::ShmTransport(std::string prefix, int32_t rank, const WireConfig& config,
@@ -117,39 +111,14 @@ ShmTransport::ShmTransport(std::string prefix, int32_t rank, const WireConfig& c
   pids_.assign(c.world, 0);
   last_bytes_.assign(c.world, 0);
 
-  const std::string name = segment_name(prefix_, rank_);
-  const int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-  if (fd < 0) PA2A_THROW(kRuntime, "shm_open(", name, ") failed: ", errno_text(errno));
-  own_linked_ = true;
-  if (::ftruncate(fd, static_cast<off_t>(layout_.total)) != 0) {
-    const int err = errno;
-    ::close(fd);
-    close();
-    PA2A_THROW(kRuntime, "ftruncate(", name, ", ", layout_.total,
-               " bytes) failed: ", errno_text(err), " (is /dev/shm large enough?)");
-  }
-  void* p = ::mmap(nullptr, layout_.total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  const int err = errno;
-  if (p == MAP_FAILED) {
-    ::close(fd);
-    close();
-    PA2A_THROW(kRuntime, "mmap of ", name, " (", layout_.total,
-               " bytes) failed: ", errno_text(err));
-  }
-  maps_[rank_] = p;
   // Receivers poll and read their own region: place it on this rank's NUMA node (the
-  // staging rule of DESIGN.md section 4), first-touching it now rather than in the first call.
-  // The space in /dev/shm is reserved between the bind and the touch: a /dev/shm too small
-  // is an error naming it, not a SIGBUS at the touch (every rank of the host has a segment).
-  try {
-    numa_ = numa_bind_reserve_and_touch(p, layout_.total, numa_node_of_current_cpu(), fd, name,
-                                        c.world);
-  } catch (...) {
-    ::close(fd);
-    close();
-    throw;
-  }
-  ::close(fd);
+  // staging rule of DESIGN.md section 4), first-touching it now rather than in the first call;
+  // its space in /dev/shm is reserved first (every rank of the host has a segment).
+  shm::OwnSegment own = shm::create(segment_name(prefix_, rank_), layout_.total,
+                                    numa_node_of_current_cpu(), c.world, ShmUser{});
+  own_linked_ = true;
+  maps_[rank_] = own.data;
+  numa_ = std::move(own.numa);
   pids_[rank_] = static_cast<int32_t>(::getpid());
   SegmentHeader h{};
   h.magic = kSegmentMagic;
@@ -157,7 +126,7 @@ ShmTransport::ShmTransport(std::string prefix, int32_t rank, const WireConfig& c
   h.rank = rank_;
   h.pid = pids_[rank_];
   h.config = c;
-  std::memcpy(p, &h, sizeof(h));
+  std::memcpy(own.data, &h, sizeof(h));
 }
 
 ShmTransport::~ShmTransport() {
@@ -167,28 +136,9 @@ ShmTransport::~ShmTransport() {
 void ShmTransport::attach_peers() {
   for (int32_t r = 0; r < config_.world; ++r) {
     if (maps_[r] != nullptr) continue;
-    const std::string name = segment_name(prefix_, r);
-    const int fd = ::shm_open(name.c_str(), O_RDWR, 0);
-    if (fd < 0)
-      PA2A_THROW(kPeer, "rank ", rank_, " cannot open rank ", r, "'s segment ", name, ": ",
-                 errno_text(errno));
-    struct stat st{};
-    if (::fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) != layout_.total) {
-      ::close(fd);
-      PA2A_THROW(kPeer, "rank ", r, "'s segment ", name, " has ", st.st_size, " bytes, expected ",
-                 layout_.total, ": the ranks disagree on the configuration");
-    }
-    void* p = ::mmap(nullptr, layout_.total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    const int err = errno;
-    ::close(fd);
-    if (p == MAP_FAILED)
-      PA2A_THROW(kRuntime, "mmap of rank ", r, "'s segment failed: ", errno_text(err));
-    maps_[r] = p;
-    SegmentHeader h{};
-    std::memcpy(&h, p, sizeof(h));
-    if (h.magic != kSegmentMagic || h.version != kWireVersion || h.rank != r)
-      PA2A_THROW(kPeer, "rank ", r, "'s segment ", name,
-                 " is not a pcie_a2a segment of this version and rank");
+    const auto h =
+        shm::attach_peer<SegmentHeader>(maps_, segment_name(prefix_, r), layout_.total, rank_, r,
+                                        "segment", kSegmentMagic, kWireVersion);
     pids_[r] = h.pid;
   }
 }
@@ -202,10 +152,7 @@ void ShmTransport::unlink_own() {
 
 void ShmTransport::close() {
   unlink_own();
-  for (auto& p : maps_) {
-    if (p != nullptr) ::munmap(p, layout_.total);
-    p = nullptr;
-  }
+  shm::unmap_all(maps_, layout_.total);
 }
 
 int32_t ShmTransport::peer_pid(int32_t r) const {
