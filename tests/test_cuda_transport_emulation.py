@@ -964,6 +964,8 @@ def test_emulated_sources_are_the_transport():
     ):  # fmt: skip
         real = (CSRC / "cuda" / "transport" / name).read_text()
         emu = (EMU / "override" / "cuda" / "transport" / name).read_text()
+        if '#include "emu_ptx.h"' in emu:  # the shared model of the primitives
+            emu += (MODEL / "emu_ptx.h").read_text()
         for fn in fns:
             assert re.search(rf"\b{fn}\(", real) and re.search(rf"\b{fn}\(", emu), (name, fn)
 
