@@ -69,10 +69,15 @@ _BUFFERS = textwrap.dedent(
 )
 
 
-def test_cpu_transport_says_dev_shm_is_too_small():
-    r = in_small_shm(_BUFFERS)
+def _outcome_in_small_shm(script: str) -> dict:
+    """The JSON line `script` prints last, run in a 16 MiB /dev/shm; exit 135 is a SIGBUS."""
+    r = in_small_shm(script)
     assert r.returncode == 0, f"exit {r.returncode} (135: SIGBUS)\n{r.stderr[-3000:]}"
-    out = json.loads(r.stdout.strip().splitlines()[-1])
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_cpu_transport_says_dev_shm_is_too_small():
+    out = _outcome_in_small_shm(_BUFFERS)
     msg = out["big"]
     assert msg.startswith("Buffer bootstrap failed while creating shared memory"), msg
     for part in ("/dev/shm is too small", "bytes (", "--shm-size=", "--ipc=host", "MiB free"):
@@ -104,9 +109,7 @@ _ALLREDUCE = textwrap.dedent(
 
 def test_cpu_allreduce_says_dev_shm_is_too_small():
     """The all-reduce's segments take the same reservation (before it: SIGBUS, exit 135)."""
-    r = in_small_shm(_ALLREDUCE)
-    assert r.returncode == 0, f"exit {r.returncode} (135: SIGBUS)\n{r.stderr[-3000:]}"
-    out = json.loads(r.stdout.strip().splitlines()[-1])
+    out = _outcome_in_small_shm(_ALLREDUCE)
     msg = out["big"]
     for part in ("/dev/shm is too small", "an all-reduce of this size", "--shm-size=", "max_bytes"):
         assert part in msg, (part, msg)
