@@ -380,6 +380,11 @@ SCENARIOS = [
     S("w3_order", 3, [Step("run", numel=64, data="order"), Step("run", "two", numel=64, data="order")]),
     S("w3_abort_then_reuse", 3, [RUN, Step("abort", who=1), Step("run", "two", numel=2048), RUN]),
     S("w3_abort_barrier", 3, [Step("abort", who=0), RUN], buffers=1, end_barrier=True),
+    # rank 0 slow reading call 1 (one block, so that it has sent everything) while rank 1
+    # aborts call 2 and runs on into call 3, which reuses call 1's parity: the abort must end
+    # only once rank 0 has begun call 2
+    S("w2_abort_skew", 2, [Step("run", numel=2048), Step("abort", who=1, numel=2048),
+                           Step("run", numel=2048)], delay=(0, 1, 300)),
     S("w2_timeout", 2, [RUN, Step("skip", numel=8 * 256 * 8, who=1)]),
     S("w3_mismatch", 3, [RUN, Step("mismatch", numel=4096, who=2)]),
     S("w8", 8, [Step("run", numel=1024), Step("run", "two", numel=4096, residual=True)],
@@ -448,6 +453,8 @@ MUTATIONS = [
     # a peer's abort, or a disagreeing peer, taken for a good flag
     ("cuda/allreduce/device.cuh", "if (info == kAbortInfo) {", "if (false) {", "w3_abort_then_reuse"),
     ("cuda/allreduce/device.cuh", "} else if (info != tag) {", "} else if (false) {", "w3_mismatch"),
+    # an aborting rank runs two calls ahead of a slow reader (the abort does not wait)
+    ("cuda/allreduce/kernels.cu", "  wait_begun(k, seq);\n", "", "w2_abort_skew"),
     # every block waits out its own timeout after the first one expired
     ("cuda/allreduce/device.cuh", "        if (timed_out_elsewhere(k)) {\n          bad = true;\n          break;\n        }\n", "", "w2_timeout"),
     # host: close() forgets the call state (the model lists what a rank still holds)

@@ -110,7 +110,10 @@ def test_abort_is_seen_by_the_peer_and_the_next_call_works():
     r0, r1 = _pair(2, False)
     try:
         out0, out1 = torch.empty(N, dtype=torch.bfloat16), torch.empty(N, dtype=torch.bfloat16)
-        r0.abort(1)
+        with pytest.raises(
+            _native.transport().PeerTimeoutError, match="call 1 .scatter. waiting for rank.s. 1"
+        ):
+            r0.abort(1, 0.2)  # rank 1 has not begun call 1 yet (one thread drives both)
         with pytest.raises(
             _native.transport().PeerAbortedError, match="rank 0 aborted all-reduce call 1"
         ):
@@ -118,6 +121,37 @@ def test_abort_is_seen_by_the_peer_and_the_next_call_works():
         _half(r0, "send", 2, _x(3.0), out0)
         _half(r1, "run", 2, _x(4.0), out1)
         _half(r0, "finish", 2, _x(3.0), out0)
+        assert float(out0[0]) == float(out1[0]) == 7.0
+    finally:
+        r0.close()
+        r1.close()
+
+
+def test_an_aborted_call_ends_only_when_every_peer_has_begun_it():
+    """Rank 0 has sent call 1 but not read it; rank 1 finishes call 1 and aborts call 2. Were
+    the abort to return at once, rank 1's call 3 (call 1's parity) would overwrite the flag
+    and data rank 0 is about to read: so the abort waits for rank 0 to begin call 2, which
+    rank 0 does only after finishing call 1."""
+    r0, r1 = _pair(2, False)
+    try:
+        out0, out1 = torch.empty(N, dtype=torch.bfloat16), torch.empty(N, dtype=torch.bfloat16)
+        _half(r0, "send", 1, _x(1.0), out0)
+        _half(r1, "run", 1, _x(10.0), out1)
+        with pytest.raises(
+            _native.transport().PeerTimeoutError,
+            match=r"rank 1 timed out after 0.2 s in all-reduce call 2 \(scatter\) waiting for rank\(s\) 0",
+        ):
+            r1.abort(2, 0.2)
+        _half(r0, "finish", 1, _x(1.0), out0)
+        assert float(out0[0]) == float(out1[0]) == 11.0
+        with pytest.raises(
+            _native.transport().PeerAbortedError, match="rank 1 aborted all-reduce call 2"
+        ):
+            _half(r0, "run", 2, _x(1.0), out0)
+        r1.abort(2, 5.0)  # rank 0 has begun call 2 now: returns at once
+        _half(r0, "send", 3, _x(3.0), out0)
+        _half(r1, "run", 3, _x(4.0), out1)
+        _half(r0, "finish", 3, _x(3.0), out0)
         assert float(out0[0]) == float(out1[0]) == 7.0
     finally:
         r0.close()

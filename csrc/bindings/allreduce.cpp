@@ -128,5 +128,6 @@ PYBIND11_MODULE(_allreduce, m) {
             t.finish(call(seq, algo, dtype, x, numel, residual, out, timeout_s));
           },
           py::call_guard<py::gil_scoped_release>())
-      .def("abort", &ShmAllReduce::abort, py::call_guard<py::gil_scoped_release>());
+      .def("abort", &ShmAllReduce::abort, py::arg("seq"), py::arg("timeout_s"),
+           py::call_guard<py::gil_scoped_release>());
 }

@@ -102,6 +102,9 @@ PYBIND11_MODULE(_allreduce_cuda, m) {
           },
           py::call_guard<py::gil_scoped_release>())
       .def(
-          "abort", [](CudaAllReduce& t, uintptr_t stream) { t.abort(stream_of(stream)); },
+          "abort",
+          [](CudaAllReduce& t, double timeout_s, uintptr_t stream) {
+            t.abort(timeout_s, stream_of(stream));
+          },
           py::call_guard<py::gil_scoped_release>());
 }

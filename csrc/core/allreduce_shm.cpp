@@ -219,14 +219,19 @@ void ShmAllReduce::publish(int phase, uint32_t seq, int block, uint32_t info) {
   }
 }
 
-void ShmAllReduce::abort(uint32_t seq) {
+void ShmAllReduce::abort(uint32_t seq, double timeout_s) {
   PA2A_CHECK_ARG(maps_[rank_] != nullptr, "all-reduce used after close()");
+  PA2A_CHECK_ARG(timeout_s > 0, "timeout_s must be positive, got ", timeout_s);
   std::fill(last_bytes_.begin(), last_bytes_.end(), 0);
   for (int phase = 0; phase < kPhases; ++phase)
     for (int b = 0; b < kMaxBlocks; ++b) publish(phase, seq, b, kAbortInfo);
+  // Every peer sends block 0 of kScatter in every call it begins, so this returns once each
+  // has begun call seq: it finished reading call seq - 1, whose parity our call seq + 1 reuses.
+  wait_phase(kScatter, seq, 0, 0, timeout_s, /*any_info=*/true);
 }
 
-bool ShmAllReduce::wait_phase(int phase, uint32_t seq, int block, uint32_t tag, double timeout_s) {
+bool ShmAllReduce::wait_phase(int phase, uint32_t seq, int block, uint32_t tag, double timeout_s,
+                              bool any_info) {
   const int32_t W = config_.world;
   std::vector<bool> got(W, false);
   got[rank_] = true;
@@ -245,6 +250,7 @@ bool ShmAllReduce::wait_phase(int phase, uint32_t seq, int block, uint32_t tag, 
       got[s] = true;
       --remaining;
       const uint32_t info = flag_info(w);
+      if (any_info) continue;
       if (info == kAbortInfo) {
         if (aborter < 0) aborter = s;
       } else if (info != tag && problem.empty()) {

@@ -58,7 +58,10 @@ class ShmAllReduce {
   void send(const CallArgs& a);
   void finish(const CallArgs& a);
   // This rank raised before call `seq`: tell every peer (they skip the call). Reads nothing.
-  void abort(uint32_t seq);
+  // Publishes kAbortInfo for call `seq` (this rank raised before it), then waits until every
+  // peer has begun that call (allreduce_wire.h, "Aborts"); a peer that never does is a
+  // timeout naming it.
+  void abort(uint32_t seq, double timeout_s);
 
   int32_t rank() const { return rank_; }
   const Config& config() const { return config_; }
@@ -76,7 +79,8 @@ class ShmAllReduce {
   void publish(int phase, uint32_t seq, int block, uint32_t info);
   // Waits for flag (phase, seq, block) from every peer; returns false if one aborted
   // (after all have arrived, so that the call is skipped on every rank together).
-  bool wait_phase(int phase, uint32_t seq, int block, uint32_t tag, double timeout_s);
+  bool wait_phase(int phase, uint32_t seq, int block, uint32_t tag, double timeout_s,
+                  bool any_info = false);
   const uint8_t* source_vectors(int32_t s, int buf, const CallArgs& a) const;
   std::string describe_peer(int32_t r) const;
 

@@ -70,9 +70,15 @@
 //   and tests/test_allreduce_emulation.py on the CUDA kernels (parity removed; barrier removed),
 //   both by delaying one rank's reads.
 //
-// Aborts. A rank that raises before a call publishes kAbortInfo in every phase and block
-// of that call and reads nothing; peers skip the call and raise PeerAbortedError. It may
-// then go on to call n + 1 at once: it read nothing of call n, so (2) holds.
+// Aborts. A rank that raises before call n publishes kAbortInfo in every phase and block
+// of that call and reads nothing; peers skip the call and raise PeerAbortedError. The
+// aborted call still ends only when every peer has begun it (its block-0 kScatter flag of
+// call n, data or abort): that wait is what makes (1) hold for an aborted call. Without it
+// the aborting rank, having finished call n - 1 (which needs only that its peers *sent*
+// call n - 1), runs call n + 1 at once and overwrites the flags and data of parity
+// (n - 1) % 2 before a slow peer has read them: two calls ahead, a wrong sum or a timeout
+// (tests/test_allreduce_protocol.py, the w2_abort_skew emulation scenario). The wait costs a
+// bad call the time until its peers arrive (at most the timeout).
 #pragma once
 
 #include <cstdint>

@@ -224,12 +224,12 @@ void CudaAllReduce::run(Algo algo, DType dtype, const void* x, int64_t numel, co
   count_bytes(algo, numel);
 }
 
-void CudaAllReduce::abort(cudaStream_t stream) {
+void CudaAllReduce::abort(double timeout_s, cudaStream_t stream) {
   require_open("abort");
   PA2A_CHECK_ARG(opened_, "abort before open_peers");
   DeviceGuard guard(device_);
   ++host_calls_;
-  launch_abort(args(30.0), stream);
+  launch_abort(args(timeout_s), stream);
   check_launch("all-reduce abort");
   std::fill(last_bytes_.begin(), last_bytes_.end(), 0);
 }

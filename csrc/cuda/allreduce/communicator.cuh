@@ -47,7 +47,7 @@ class CudaAllReduce {
   void run(Algo algo, DType dtype, const void* x, int64_t numel, const void* residual, void* out,
            double timeout_s, cudaStream_t stream);
   // This rank raised before its next call: peers skip that call (enqueue only).
-  void abort(cudaStream_t stream);
+  void abort(double timeout_s, cudaStream_t stream);
   void check();
   uint64_t error_word() const;
   const std::vector<uint64_t>& last_bytes() const { return last_bytes_; }

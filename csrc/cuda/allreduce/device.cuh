@@ -179,6 +179,28 @@ __device__ __forceinline__ bool wait_peers(const KernelArgs& k, int phase, uint3
   return __syncthreads_or(bad) == 0;
 }
 
+// Waits until every peer has begun call seq (its flag of block 0 of kScatter, whatever it
+// says: data or an abort of its own); a peer that never does is a timeout naming it.
+__device__ __forceinline__ void wait_begun(const KernelArgs& k, uint32_t seq) {
+  const int s = static_cast<int>(threadIdx.x);
+  if (s < k.cfg.world && s != k.rank) {
+    const uint64_t* f = flag_at(k, k.rank, kScatter, seq, 0, s);
+    const uint64_t start = pa2a::cuda::globaltimer_ns();
+    uint32_t spins = 0;
+    while (flag_seq(pa2a::cuda::ld_acquire_sys(f)) != seq) {
+      if ((++spins & 63u) == 0) {
+        if (pa2a::cuda::globaltimer_ns() - start > k.timeout_ns) {
+          record_error(k, DevError::kTimeout, kScatter, s, seq);
+          break;
+        }
+        if (timed_out_elsewhere(k)) break;
+      }
+      __nanosleep(32);
+    }
+  }
+  __syncthreads();
+}
+
 // ---- vectors ----------------------------------------------------------------------------
 template <DType kDT>
 __device__ __forceinline__ void unpack8(const uint4& v, float* f) {

@@ -40,6 +40,10 @@ __global__ void __launch_bounds__(kThreads) abort_kernel(KernelArgs k) {
     if (d != k.rank)
       pa2a::cuda::st_release_sys(flag_at(k, d, phase, seq, b, k.rank), pack_flag(seq, kAbortInfo));
   }
+  // The aborted call still ends only when every peer has begun it (block 0 of kScatter, which
+  // every call sends): without this wait this rank's call seq + 1 could overwrite the flags
+  // and data of call seq - 1 that a slow peer has not read yet (allreduce_wire.h, "Aborts").
+  wait_begun(k, seq);
   end_call(k, seq);
 }
 

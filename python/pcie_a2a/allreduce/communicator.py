@@ -391,7 +391,11 @@ class AllReduce:
         except (TypeError, ValueError):
             if route != "fallback":
                 self._seq += 1
-                self._protocol(self._backend.abort, self._seq)
+                try:
+                    self._protocol(self._backend.abort, self._seq, self.timeout_s)
+                except _native.transport().PeerError:
+                    pass  # recorded in self._failed: the next call says so; the caller's
+                    # mistake is the error to raise now
             raise
         return route
 

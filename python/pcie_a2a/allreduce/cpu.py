@@ -100,8 +100,8 @@ class CpuBackend:
             _ptr(residual_out),
         )
 
-    def abort(self, seq: int) -> None:
-        self._tx.abort(seq)
+    def abort(self, seq: int, timeout_s: float) -> None:
+        self._tx.abort(seq, timeout_s)
 
     def check(self) -> None:
         """The CPU path raises inside the call itself; nothing is pending."""

@@ -198,9 +198,9 @@ class CudaBackend:
             torch.cuda.current_stream(self.device).cuda_stream,
         )  # fmt: skip
 
-    def abort(self, seq: int) -> None:
+    def abort(self, seq: int, timeout_s: float) -> None:
         del seq
-        self._tx.abort(torch.cuda.current_stream(self.device).cuda_stream)
+        self._tx.abort(timeout_s, torch.cuda.current_stream(self.device).cuda_stream)
 
     def check(self) -> None:
         if self._tx is not None:

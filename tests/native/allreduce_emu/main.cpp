@@ -217,7 +217,7 @@ class Rank {
     const size_t bytes = static_cast<size_t>(s.numel) * 2;
     if (s.kind == "skip" && r_ == s.who) return false;
     if (s.kind == "abort" && r_ == s.who) {
-      tx_.abort(stream_);
+      tx_.abort(s.timeout_s, stream_);
       cuda_ok(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
       return true;
     }
