@@ -28,7 +28,7 @@ namespace pa2a::cuda {
 // call; a receiver that waits for the flag instead never does, and the held
 // store fails the run after 3 s. Rank R also sleeps 10 ms before each early-line store, and
 // after each row or chunk mark it stores waits until the peer has read that mark (at most
-// 20 ms) and 1 ms more, so a receiver that reads a line, row or chunk before it is
+// 20 ms) and 10 ms more, so a receiver that reads a line, row or chunk before it is
 // complete reads stale bytes (a mark stored before the data it covers, a stale mark or
 // line taken for the call).
 struct StagedGate {
@@ -77,11 +77,11 @@ inline void emu_gate_store(const void* p, uint64_t v, bool before) {
   if (before && emu_in(off, g.early_lo, g.early_hi)) usleep(10000);
   if (!before && (emu_in(off, g.rows_lo, g.rows_hi) || emu_in(off, g.chunks_lo, g.chunks_hi))) {
     // until the peer has read this mark (at most 20 ms: it may be waiting for another), then
-    // 1 ms more: whatever the peer reads right after the mark comes before our next stores
+    // 10 ms more: whatever the peer reads right after the mark comes before our next stores
     const uint64_t want = (static_cast<uint64_t>(off) << 32) | static_cast<uint32_t>(v >> 32);
     for (int i = 0; i < 20 && __atomic_load_n(&g.last[1 - g.rank], __ATOMIC_ACQUIRE) != want; ++i)
       usleep(1000);
-    usleep(1000);
+    usleep(10000);
   }
   if (!before || !emu_in(off, g.flags_lo, g.flags_hi) || (off - g.flags_lo) % 64 != 0 ||
       (g.last_sig != 3 && g.last_sig != 4))
