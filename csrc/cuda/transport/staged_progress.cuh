@@ -28,11 +28,13 @@
 //     __threadfence and bar.sync), read by the scatter items; like the mirror, each word
 //     carries the call number, so nothing is reset.
 // A mark or a line counts only when it holds the call number of the running call (seq is
-// unique per call), so a word left by an earlier call is never taken for this one; every
-// wait has the deadline and error word of device_protocol.cuh and also watches the
-// source's flag (or its mirror), so a sender that never writes the early line or a chunk's
-// mark (an abort, a count that disagrees) ends the wait instead of running into the
-// deadline, and a source that dies mid-call is a timeout naming it.
+// unique per call), so a word left by an earlier call is never taken for this one. Every
+// wait has the deadline and error word of device_protocol.cuh; the waits for an early line
+// or a chunk mark also watch the source's flag, so a sender that writes neither (an abort,
+// the copy engine, a count that disagrees) ends them at once, and a source that dies
+// mid-call is a timeout naming it. In these two receives no item waits for a staged
+// source's flag before its rows: the flag is checked by items after them (the expert-major
+// flag items, the combine's last items), so even a receive grid capped at one block drains.
 //
 // Why reuse stays safe. Early lines and chunk marks live at the slot parity of their call
 // and belong to the slots they describe: source s rewrites them only where it rewrites
