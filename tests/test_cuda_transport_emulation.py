@@ -27,8 +27,9 @@ replayed from a capture. ``inprocess`` scenarios put the W transports in one pro
 (EMU_STAGED_GATE, the emulation's ptx.cuh): its low-latency flags are held until the
 receiver has consumed a row or combine chunk of the call, so the expert-major and combine
 receives must drain staged rows before the flag (the earlier "wait for the flag" code fails
-it), and it pauses after each mark until the receiver read it, so a mark stored before its
-data or a stale mark or early line taken for the call reads wrong bytes.
+it), and it waits before each early line and after each mark until the receiver read it,
+so a mark stored before its data or a stale mark or early line taken for the call reads
+wrong bytes.
 
 The mutation test shows that plausible slips in the kernels (slot parity, slot order,
 ballot rank, warp scan, last-block publish, copy-engine parity, staged progress, ...) fail
@@ -675,9 +676,9 @@ SCENARIOS = [
       leaked=(1,), close_ms=300),
     # a slow, partial staged sender: rank 0 holds each low-latency flag until rank 1 has
     # consumed a row or chunk of the call (EMU_STAGED_GATE, the emulation's ptx.cuh), so a
-    # receive that waits for the flag instead of draining fails; rank 0 also pauses before
-    # its early lines and after each mark (a read before a mark holds the call reads stale
-    # bytes). The expert-major receive and the combine, both parities and their reuse. (Not
+    # receive that waits for the flag instead of draining fails; rank 0 also stores each
+    # early line only once rank 1 polls it and waits after each mark until rank 1 read it
+    # (a line, row or chunk taken before it is complete reads stale bytes). The expert-major receive and the combine, both parities and their reuse. (Not
     # the rows layout: its poller item waits for the flag before the row items, and blocks
     # run one after another here.)
     S("w2_staged_drain_gate", 2, "ll_em ll_em ll_em", transport="staged", seed=69,

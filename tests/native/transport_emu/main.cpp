@@ -939,6 +939,8 @@ void setup_staged_gate(const Case& c) {
   std::memset(g.consumed, 0, 2 * 64 * sizeof(uint32_t));
   g.last = reinterpret_cast<uint64_t*>(g.consumed + 2 * 64);
   g.last[0] = g.last[1] = 0;
+  g.polled = g.last + 2;
+  g.polled[0] = g.polled[1] = 0;
 }
 
 }  // namespace

@@ -24,19 +24,20 @@ namespace pa2a::cuda {
 // EMU_STAGED_GATE=R (world 2; set up by transport_emu/main.cpp): a sender that is slow and
 // partial on purpose, to show that receivers drain host-staged rows while the sender
 // writes. Rank R's low-latency flags (sig 3 or 4) into the peer's host segment are held
-// until the peer has consumed (acquire-loaded) a row mark or combine chunk mark holding that
-// call; a receiver that waits for the flag instead never does, and the held
-// store fails the run after 3 s. Rank R also sleeps 10 ms before each early-line store, and
-// after each row or chunk mark it stores waits until the peer has read that mark (at most
-// 20 ms) and 10 ms more, so a receiver that reads a line, row or chunk before it is
-// complete reads stale bytes (a mark stored before the data it covers, a stale mark or
-// line taken for the call).
+// until the peer has consumed (acquire-loaded) a row mark or combine chunk mark holding
+// that call; a receiver that waits for the flag instead never does, and the held store
+// fails the run after 3 s. Rank R also waits before each early-line store until the peer
+// polls that line (at most 2 s), and after each row or chunk mark until the peer has read
+// that mark (at most 20 ms) and 10 ms more, so a receiver that takes a line, row or chunk
+// before it is complete reads stale bytes (a mark stored before the data it covers, a
+// stale mark or line taken for the call).
 struct StagedGate {
   int held = -1;  // the rank whose flags are held (-1: off)
   int rank = -1;  // this process's rank
   size_t flags_lo = 0, flags_hi = 0, rows_lo = 0, rows_hi = 0, early_lo = 0, early_hi = 0,
          chunks_lo = 0, chunks_hi = 0;  // byte ranges in a segment
   uint32_t* consumed = nullptr;  // [2][64], shared: [rank][seq % 64] = seq of a mark it consumed
+  uint64_t* polled = nullptr;    // [2], shared: offset of the last early line each rank read
   uint64_t* last = nullptr;  // [2], shared: (offset << 32 | seq) of the last mark each rank read
   uint32_t last_sig = 0;     // the last flag sig this process stored
 };
@@ -60,6 +61,8 @@ inline void emu_gate_load(const void* p, uint64_t v) {
   StagedGate& g = staged_gate;
   if (g.held < 0) return;
   const size_t off = emu_staged_offset(p);
+  if (off != SIZE_MAX && emu_in(off, g.early_lo, g.early_hi))
+    __atomic_store_n(&g.polled[g.rank], static_cast<uint64_t>(off), __ATOMIC_RELEASE);
   if (off == SIZE_MAX ||
       !(emu_in(off, g.rows_lo, g.rows_hi) || emu_in(off, g.chunks_lo, g.chunks_hi)))
     return;
@@ -74,7 +77,13 @@ inline void emu_gate_store(const void* p, uint64_t v, bool before) {
   if (g.held < 0 || g.rank != g.held) return;
   const size_t off = emu_staged_offset(p);
   if (off == SIZE_MAX) return;
-  if (before && emu_in(off, g.early_lo, g.early_hi)) usleep(10000);
+  if (before && emu_in(off, g.early_lo, g.early_hi)) {
+    // until the peer polls this line (at most 2 s), so that it reads the old one first
+    __atomic_store_n(&g.polled[1 - g.rank], uint64_t{0}, __ATOMIC_RELEASE);
+    for (int i = 0; i < 2000 && __atomic_load_n(&g.polled[1 - g.rank], __ATOMIC_ACQUIRE) != off;
+         ++i)
+      usleep(1000);
+  }
   if (!before && (emu_in(off, g.rows_lo, g.rows_hi) || emu_in(off, g.chunks_lo, g.chunks_hi))) {
     // until the peer has read this mark (at most 20 ms: it may be waiting for another), then
     // 10 ms more: whatever the peer reads right after the mark comes before our next stores
