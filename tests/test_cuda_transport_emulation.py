@@ -23,8 +23,17 @@ stream operations per half (four per dispatch + combine), one graph launch per h
 replayed from a capture. ``inprocess`` scenarios put the W transports in one process
 (open_local, phase by phase).
 
+``w2_staged_drain_gate`` makes a staged sender slow and partial on purpose
+(EMU_STAGED_GATE, the emulation's ptx.cuh): its low-latency flags are held until the
+receiver has consumed a row or combine chunk of the call, so the expert-major and combine
+receives must drain staged rows before the flag (the earlier "wait for the flag" code fails
+it), and it waits before each early line and after each mark until the receiver read it,
+so a mark stored before its data or a stale mark or early line taken for the call reads
+wrong bytes.
+
 The mutation test shows that plausible slips in the kernels (slot parity, slot order,
-ballot rank, warp scan, last-block publish, copy-engine parity, ...) fail here. A reversed
+ballot rank, warp scan, last-block publish, copy-engine parity, staged progress, ...) fail
+here. A reversed
 summation order is not among them: with these inputs its sums round the same.
 
 What it cannot show: memory ordering across real PCIe (the model is sequentially
@@ -64,7 +73,7 @@ EMU = Path(__file__).resolve().parent / "native" / "transport_emu"
 MODEL = Path(__file__).resolve().parent / "native" / "emu"
 KERNEL_FILES = ("kernels_send.cu", "kernels_recv.cu", "kernels_combine.cu", "kernels_control.cu")
 SOURCES = (*KERNEL_FILES, "cuda_transport.cu", "ptx.cuh", "launch.cuh", "device_protocol.cuh",
-           "kernel_common.cuh")  # fmt: skip
+           "kernel_common.cuh", "staged_progress.cuh")  # fmt: skip
 SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined"]
 ERR_VALUE, ERR_TIMEOUT, ERR_PEER, ERR_ABORTED = 0, 1, 2, 3  # pa2a::Error::Kind
 SHORT_TIMEOUT_MS = 400  # the timeout of steps where a peer never comes
@@ -665,6 +674,15 @@ SCENARIOS = [
     # Its probe names rank 0, and its close keeps its segment (rank 0's mark never came).
     S("w2_p2p_blackhole", 2, "", env=(("EMU_IPC_BLACKHOLE", "1"),), probe=((1, (1, 0)),),
       leaked=(1,), close_ms=300),
+    # a slow, partial staged sender: rank 0 holds each low-latency flag until rank 1 has
+    # consumed a row or chunk of the call (EMU_STAGED_GATE, the emulation's ptx.cuh), so a
+    # receive that waits for the flag instead of draining fails; rank 0 also stores each
+    # early line only once rank 1 polls it and waits after each mark until rank 1 read it
+    # (a line, row or chunk taken before it is complete reads stale bytes). The expert-major receive and the combine, both parities and their reuse. (Not
+    # the rows layout: its poller item waits for the flag before the row items, and blocks
+    # run one after another here.)
+    S("w2_staged_drain_gate", 2, "ll_em ll_em ll_em", transport="staged", seed=69,
+      env=(("EMU_STAGED_GATE", "0"),)),
     # a rank that exits without close(): the others keep their segments
     S("w3_exit_without_close", 3, "ll_rows exit:2", experts=9, leaked=(0, 1), close_ms=300,
       seed=68),
@@ -680,7 +698,8 @@ def test_transport_matches_reference(emulator, tmp_path, sc):
 # ---- the emulation catches kernel and host-code mistakes ----------------------------------
 # Each mutation is a plausible slip (file under csrc/cuda/transport, exact text,
 # replacement) and the scenario that must then fail (wrong bytes, a wrong error, a
-# timeout, an emulation fault). The scenarios run with short timeouts.
+# timeout, an emulation fault); optionally the only kernel files to rebuild (a header slip
+# in code only they use). The scenarios run with short timeouts.
 MUTATIONS = [
     # dispatch rows stored in the other parity's slots than the receiver reads
     (
@@ -720,6 +739,60 @@ MUTATIONS = [
         "(static_cast<uint64_t>(t.seq) << 32) | static_cast<uint32_t>(k.rank));",
         "(static_cast<uint64_t>(t.seq + 1) << 32) | static_cast<uint32_t>(k.rank));",
         "w2_fp8_staged_raw",
+    ),
+    # ---- staged progress (staged_progress.cuh), against the slow, partial staged sender
+    # the expert-major receive waits for a staged source's flag again (the old way)
+    (
+        "staged_progress.cuh",
+        "return staged_from(k, s) && k.num_local_experts <= kEarlyMaxExperts;",
+        "return false;",
+        "w2_staged_drain_gate",
+        ("kernels_recv.cu",),
+    ),
+    # combine: a staged source's poller waits for its flag before the tokens (the old way)
+    (
+        "kernels_combine.cu",
+        "if (threadIdx.x == 0 && !staged_from(k, static_cast<int>(item))) {",
+        "if (threadIdx.x == 0) {",
+        "w2_staged_drain_gate",
+    ),
+    # a staged dispatch row's arrival mark stored before its experts, weights and payload
+    (
+        "kernels_send.cu",
+        "    for (int q = lane; q < kvec; q += 32) {\n      reinterpret_cast<int4*>(slot + k.slot.experts_off)",
+        "    if (drain && lane == 0)\n      st_release_sys(reinterpret_cast<uint64_t*>(slot + 8),\n"
+        "                     (static_cast<uint64_t>(t.seq) << 32) | static_cast<uint32_t>(k.rank));\n"
+        "    for (int q = lane; q < kvec; q += 32) {\n      reinterpret_cast<int4*>(slot + k.slot.experts_off)",
+        "w2_staged_drain_gate",
+    ),
+    # a combine chunk's mark stored before the chunk's rows
+    (
+        "kernels_combine.cu",
+        "  const int j1 = min((static_cast<int>(blockIdx.y) + 1) * kRowsPerBlock, n);\n"
+        "  for (int j = blockIdx.y * kRowsPerBlock + warp; j < j1; j += kWarps) {\n"
+        "    uint4* dst = reinterpret_cast<uint4*>(\n        combine_slot(",
+        "  const int j1 = min((static_cast<int>(blockIdx.y) + 1) * kRowsPerBlock, n);\n"
+        "  publish_chunk_mark(k, t, s, static_cast<int>(blockIdx.y),\n"
+        "                     j1 - static_cast<int>(blockIdx.y) * kRowsPerBlock);\n"
+        "  for (int j = blockIdx.y * kRowsPerBlock + warp; j < j1; j += kWarps) {\n"
+        "    uint4* dst = reinterpret_cast<uint4*>(\n        combine_slot(",
+        "w2_staged_drain_gate",
+    ),
+    # expert-major: a row read while its mark still holds the previous call of its parity
+    (
+        "staged_progress.cuh",
+        "while ((ld_acquire_sys(mark) >> 32) != t.seq) {",
+        "while ((ld_acquire_sys(mark) >> 32) + 2 < t.seq) {",
+        "w2_staged_drain_gate",
+        ("kernels_recv.cu",),
+    ),
+    # the early count line taken without checking that it holds this call
+    (
+        "staged_progress.cuh",
+        "      const uint64_t w = ld_acquire_sys(&line->word);\n      if (flag_seq(w) == t.seq) {",
+        "      const uint64_t w = ld_acquire_sys(&line->word);\n      if (flag_seq(w) != 0) {",
+        "w2_staged_drain_gate",
+        ("kernels_recv.cu",),
     ),
     # the expert-major warp scan adds every shuffled value (lanes below the offset too)
     ("kernels_recv.cu", "if (lane >= o) incl += v;", "incl += v;", "w1_bf16"),
@@ -881,15 +954,18 @@ _BY_NAME = {s.name: s for s in SCENARIOS}
 
 
 def _mutant(base: Path, tmp: Path, n: int, mutations=MUTATIONS, fast: bool = True) -> Path:
-    fname, old, new, _ = mutations[n]
+    fname, old, new = mutations[n][:3]
     tree = tmp / f"m{n}" / "csrc"
     for sub in ("core", "cuda/common", "cuda/transport"):
         shutil.copytree(CSRC / sub, tree / sub)
     mutate(tree / "cuda" / "transport" / fname, old, new, f"mutation {n}")
     rebuild = {
         "kernel_common.cuh": KERNEL_FILES,
+        "staged_progress.cuh": KERNEL_FILES[:3],
         "device_protocol.cuh": (*KERNEL_FILES, "cuda_transport.cu"),
     }.get(fname, (fname,))
+    if len(mutations[n]) > 4:  # a header slip in code only these kernel files use
+        rebuild = mutations[n][4]
     return build_emulator(tmp / f"m{n}" / "build", tree, base=base, rebuild=rebuild, fast=fast)
 
 

@@ -204,6 +204,8 @@ struct SegmentLayout {
   size_t dispatch_slot, combine_slot;
   // Present only with `with_pull` (0 otherwise): consumed lines, pull send slots.
   size_t consumed_off, pull_dispatch_off, pull_combine_off;
+  // Present only after add_staged_progress (CUDA transport; 0 otherwise).
+  size_t progress_off;
 };
 
 // `with_pull`: some pair of the group pulls (every rank passes the same value). Without it
@@ -243,6 +245,49 @@ PA2A_HD size_t consumed_offset(const WireConfig& c, int region, int reader) {
 
 // A pull send slot is addressed like a receive slot with the destination in place of the
 // source: slot_offset(c, parity, dest, slot, slot_bytes) from pull_*_off.
+
+// ---- staged progress (CUDA transport only) -----------------------------------------------
+// The CUDA transport's segments end with a progress region that host-staged pairs use to
+// publish per-chunk progress (cuda/transport/staged_progress.cuh has the protocol). It is
+// appended after everything above, so the bytes and offsets of the layout before it, and
+// the CPU transport's segments (which never call add_staged_progress), are unchanged:
+//   [early lines: 2 parities x world sources x EarlyLine]     dispatch, per (source, parity)
+//   [combine chunk marks: 2 parities x world sources x ceil(max_tokens / 16) x 8 bytes]
+// Source s writes only the [*, s] parts, as with slots and flags.
+constexpr int kEarlyMaxExperts = 256;     // local experts an early line counts (more: no line)
+constexpr int kProgressChunkRows = 16;    // rows per combine chunk mark
+constexpr size_t kEarlyLineBytes = 1088;  // 16 + 4 * kEarlyMaxExperts, in whole cache lines
+
+struct EarlyLine {
+  uint64_t word;  // (seq << 32) | rows for this receiver, release-stored last
+  uint32_t sig;   // OpCode, written before `word`
+  uint32_t reserved;
+  int32_t counts[kEarlyMaxExperts];  // rows listing each of the receiver's local experts
+  uint8_t pad[kEarlyLineBytes - 16 - 4 * kEarlyMaxExperts];
+};
+static_assert(sizeof(EarlyLine) == kEarlyLineBytes, "early line is whole cache lines");
+
+PA2A_HD size_t progress_chunks(const WireConfig& c) {
+  return (static_cast<size_t>(c.max_tokens) + kProgressChunkRows - 1) / kProgressChunkRows;
+}
+
+// Appends the progress region to a layout from segment_layout (with or without pull).
+PA2A_HD void add_staged_progress(SegmentLayout* l, const WireConfig& c) {
+  const size_t w = static_cast<size_t>(c.world);
+  l->progress_off = l->total;
+  l->total =
+      align_up(l->progress_off + 2 * w * kEarlyLineBytes + 2 * w * progress_chunks(c) * 8, 4096);
+}
+
+// From layout.progress_off: the early line of (parity, src), and the combine chunk mark of
+// (parity, src, chunk).
+PA2A_HD size_t early_line_offset(const WireConfig& c, int parity, int src) {
+  return (static_cast<size_t>(parity) * c.world + src) * kEarlyLineBytes;
+}
+PA2A_HD size_t chunk_mark_offset(const WireConfig& c, int parity, int src, int chunk) {
+  const size_t w = static_cast<size_t>(c.world), n = progress_chunks(c);
+  return 2 * w * kEarlyLineBytes + ((static_cast<size_t>(parity) * w + src) * n + chunk) * 8;
+}
 
 struct SegmentHeader {
   uint32_t magic;

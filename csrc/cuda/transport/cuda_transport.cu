@@ -39,6 +39,8 @@ const char* error_name(DeviceError e) {
       return "row count mismatch";
     case DeviceError::kBadInput:
       return "bad topk_ids";
+    case DeviceError::kEarlyMismatch:
+      return "early count line mismatch";
     default:
       return "unknown";
   }
@@ -115,6 +117,7 @@ CudaTransport::CudaTransport(std::string prefix, int32_t rank, const WireConfig&
   PA2A_CHECK_ARG(max_recv_blocks >= 0, "max_recv_blocks must be >= 0 (0: one per SM), got ",
                  max_recv_blocks);
   layout_ = segment_layout(c);
+  add_staged_progress(&layout_, c);  // host-staged pairs' per-chunk progress (both segments)
   slot_ = dispatch_slot_layout(c);
   ipc_opened_.assign(c.world, nullptr);
   host_maps_.assign(c.world, nullptr);
@@ -626,6 +629,10 @@ void CudaTransport::check() {
       PA2A_THROW(kPeer, "rank ", peer, " returned a different number of rows in ", op_name(op),
                  " (call ", seq, ") than rank ", rank_,
                  " dispatched to it: every rank must combine the handles of the same dispatch");
+    case DeviceError::kEarlyMismatch:
+      PA2A_THROW(kPeer, "rank ", peer, "'s early count line of ", op_name(op), " (call ", seq,
+                 ") disagrees with the rows or the flag it sent to rank ", rank_,
+                 " (host-staged pair)");
     default:
       PA2A_THROW(kRuntime, "CUDA transport: unknown error word 0x", std::hex, w, " (",
                  error_name(code), ")");

@@ -28,7 +28,8 @@
 //   * Slots [parity][s][*] of receiver r: written only by sender s. Word 1 of a dispatch
 //     row's header ({src_rank, seq}) is stored last with st.release.sys when the pair is
 //     staged: the row is its own arrival mark, so the receiver drains rows while the
-//     sender is still writing (per-chunk progress instead of one flag at the end).
+//     sender is still writing (per-chunk progress instead of one flag at the end). The
+//     early lines and combine chunk marks of staged pairs: staged_progress.cuh.
 //   * Header lines of receiver r (kProbeLineOff, kCloseLineOff): written only by sender s
 //     at bootstrap (the P2P probe) and at close (the close mark).
 //   * DeviceState: written only by this rank's own kernels, in stream order.
@@ -103,6 +104,7 @@ enum class DeviceError : uint32_t {
   kBadCount = 4,       // the peer announced more rows than max_tokens
   kCountMismatch = 5,  // combine: rows returned != rows dispatched
   kBadInput = 6,       // this rank's topk_ids held an id outside [-1, E) or a duplicate
+  kEarlyMismatch = 7,  // a staged peer's early count line disagrees with its rows or flag
 };
 
 // One 64-bit word so a single store is self-consistent whichever block wins:
@@ -149,6 +151,11 @@ struct DeviceState {
   uint32_t stat_reserved;                  //
   uint32_t stat_last_rows[kMaxWorld];      // rows it sent to each rank
   uint64_t stat_total_rows[2][kMaxWorld];  // rows sent per family and rank, in total
+  // Expert-major receive of staged sources (staged_progress.cuh), written by the count item
+  // of source s: pack_flag(seq, rows) once s's expert counts are known / once rows [0, n)
+  // of s are counted (count kMirrorFailed when its wait failed).
+  uint64_t staged_counts[kMaxWorld];
+  uint64_t staged_rows[kMaxWorld];
 };
 
 // What the kernels of one call agree on. Written by the send kernel (or the begin

@@ -2,6 +2,7 @@
 // pre-reduction), the pre-reduction alone, and combine_recv (pollers, then one warp per
 // token summing the partials in the CPU's order).
 #include "cuda/transport/kernel_common.cuh"
+#include "cuda/transport/staged_progress.cuh"
 
 namespace pa2a::cuda {
 namespace {
@@ -61,6 +62,8 @@ __global__ void __launch_bounds__(kThreads)
       for (int v = lane; v < H / 8; v += 32) dst[v] = src[v];
     }
   }
+  publish_chunk_mark(k, t, s, static_cast<int>(blockIdx.y),
+                     j1 - static_cast<int>(blockIdx.y) * kRowsPerBlock);
   finish_send(k, t, 1, begin != 0, ticket, recv_count, ~ce_mask);
 }
 
@@ -101,20 +104,25 @@ __global__ void __launch_bounds__(kThreads)
   const int W = c.world, M = c.max_tokens, H = c.hidden;
   const CallTicket t = *ticket;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const uint32_t total = static_cast<uint32_t>(W) + cdiv(num_tokens, kWarps);
+  const uint32_t total = static_cast<uint32_t>(2 * W) + cdiv(num_tokens, kWarps);
   for (uint32_t item = next_item(k); item < total; item = next_item(k)) {
     if (item < static_cast<uint32_t>(W)) {
-      if (threadIdx.x == 0) {
+      if (threadIdx.x == 0 && !staged_from(k, static_cast<int>(item))) {  // staged: at the end
         const int d = static_cast<int>(item);
         const FlagLine* f = flag_line_at(k.peers->recv_base[d], static_cast<int>(t.seq & 1u), d, c);
         publish_mirror(k.state, d, t.seq, wait_flag(f, t, d, M, send_count[d], timeout_ns, k.err));
       }
       continue;
     }
+    if (item >= total - W) {  // staged sources' flags, after their rows were reduced
+      if (threadIdx.x == 0)
+        finish_staged_combine(k, t, static_cast<int>(item - (total - W)), send_count, timeout_ns);
+      continue;
+    }
     if (threadIdx.x == 0) fail = 0;
     __syncthreads();
     for (int d = threadIdx.x; d < W; d += blockDim.x)
-      if (wait_mirror(k.state, d, t, timeout_ns, k.err) < 0) fail = 1;
+      if (!staged_from(k, d) && wait_mirror(k.state, d, t, timeout_ns, k.err) < 0) fail = 1;
     __syncthreads();
     if (fail) continue;
     const int tok = static_cast<int>(item - W) * kWarps + warp;
@@ -133,6 +141,7 @@ __global__ void __launch_bounds__(kThreads)
       slot_of[warp][d] = (lo < cnt && st[lo] == tok) ? lo : -1;
     }
     __syncwarp();
+    if (!combine_chunks_arrived(k, t, slot_of[warp], send_count, timeout_ns, lane)) continue;
     for (int v = lane; v < H / 8; v += 32) {
       float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
       for (int d = 0; d < W; ++d) {
@@ -199,7 +208,7 @@ void launch_reduce_rows(const KernelContext& k, const void* y, const int32_t* re
 void launch_combine_recv(const KernelContext& k, const CallTicket* ticket,
                          const int32_t* send_token, const int32_t* send_count, int32_t num_tokens,
                          void* out, uint64_t timeout_ns, cudaStream_t stream) {
-  const int64_t items = k.cfg.world + cdiv(num_tokens, kWarps);
+  const int64_t items = 2 * k.cfg.world + cdiv(num_tokens, kWarps);
   PA2A_SWITCH_WIRE(k.cfg, {
     (void)kFp8;
     launch_kernel(combine_recv_kernel<kDT>, recv_grid(k, items), kThreads, 0, stream, k.pdl, k,

@@ -2,6 +2,7 @@
 // expert-major receive, as work items (device_protocol.cuh: pollers first, then the items
 // that wait on their mirrors; the grid is capped at max_recv_blocks).
 #include "cuda/transport/kernel_common.cuh"
+#include "cuda/transport/staged_progress.cuh"
 
 namespace pa2a::cuda {
 namespace {
@@ -201,10 +202,16 @@ __global__ void __launch_bounds__(kThreads)
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const uint32_t chunks = cdiv(M, kRowsPerBlock);
   const uint32_t scatter_end = static_cast<uint32_t>(W) * (1u + chunks);
-  const uint32_t total = scatter_end + cdiv(E, kWarps);
+  const uint32_t flags_end = scatter_end + static_cast<uint32_t>(W);  // staged sources' flags
+  const uint32_t total = flags_end + cdiv(E, kWarps);
   for (uint32_t item = next_item(k); item < total; item = next_item(k)) {
     if (item < static_cast<uint32_t>(W)) {  // ---- count items
       const int s = static_cast<int>(item);
+      if (em_drains(k, s)) {  // staged: from its early line and row marks, not its flag
+        em_count_staged(k, t, s, recv_count, expert_pos, row_experts, row_weights, begin_sh,
+                        timeout_ns);
+        continue;
+      }
       if (threadIdx.x == 0) {
         const FlagLine* f = flag_line_at(k.peers->recv_base[s], static_cast<int>(t.seq & 1u), s, c);
         const int32_t n = wait_flag(f, t, s, M, -1, timeout_ns, k.err);
@@ -271,7 +278,7 @@ __global__ void __launch_bounds__(kThreads)
       }
       __syncthreads();
       for (int r = threadIdx.x; r <= s; r += blockDim.x) {
-        const int32_t n = wait_mirror(k.state, r, t, timeout_ns, k.err);
+        const int32_t n = em_wait_source(k, t, r, r == s ? j0 : -1, timeout_ns);
         if (n < 0 && timed_out_elsewhere(k.err)) fail_sh = 1;
         if (r == s) n_sh = n < 0 ? 0 : n;
       }
@@ -346,6 +353,11 @@ __global__ void __launch_bounds__(kThreads)
       }
       continue;
     }
+    if (item < flags_end) {  // ---- flag items (draining sources only)
+      if (threadIdx.x == 0)
+        em_finish_staged(k, t, static_cast<int>(item - scatter_end), recv_count, timeout_ns);
+      continue;
+    }
     // ---- tail items: experts [8g, 8g + 8), one warp each
     if (threadIdx.x == 0) fail_sh = 0;
     __syncthreads();
@@ -354,7 +366,7 @@ __global__ void __launch_bounds__(kThreads)
         fail_sh = 1;
     __syncthreads();
     if (fail_sh) continue;
-    const int e = static_cast<int>(item - scatter_end) * kWarps + warp;
+    const int e = static_cast<int>(item - flags_end) * kWarps + warp;
     if (e < E) {
       int32_t sum = 0;
       for (int r = 0; r < W; ++r) sum += __ldcg(cnt_ws + e * W + r);
@@ -406,7 +418,7 @@ void launch_unpack_expert_major(const KernelContext& k, const CallTicket* ticket
                                 int64_t* layout_range, int32_t* expert_pos, int32_t* row_experts,
                                 float* row_weights, uint64_t timeout_ns, cudaStream_t stream) {
   const int64_t items =
-      static_cast<int64_t>(k.cfg.world) * (1 + cdiv(k.cfg.max_tokens, kRowsPerBlock)) +
+      static_cast<int64_t>(k.cfg.world) * (2 + cdiv(k.cfg.max_tokens, kRowsPerBlock)) +
       cdiv(k.num_local_experts, kWarps);
   const size_t smem = sizeof(int32_t) * static_cast<size_t>(k.num_local_experts);
   PA2A_SWITCH_WIRE(

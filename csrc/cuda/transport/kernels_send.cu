@@ -3,6 +3,7 @@
 // the copy-engine helpers. Protocol: device_protocol.cuh; index math and numerics come
 // from the core headers the CPU transport uses, so both write the same bytes.
 #include "cuda/transport/kernel_common.cuh"
+#include "cuda/transport/staged_progress.cuh"
 
 namespace pa2a::cuda {
 namespace {
@@ -141,6 +142,8 @@ __global__ void __launch_bounds__(kThreads)
     if (blockIdx.x == gridDim.x - 1) send_count[d] = j;
   }
   __syncthreads();
+  if (blockIdx.x == 0 && op == static_cast<uint32_t>(OpCode::kLowLatencyDispatch))
+    publish_early_lines(k, t, topk_ids, ids64, topk, num_tokens, pack_mask);  // before any row
 
   const int kvec = static_cast<int>((k.slot.weights_off - k.slot.experts_off) / 16);
   const int pvec = static_cast<int>((k.slot.bytes - k.slot.payload_off) / 16);

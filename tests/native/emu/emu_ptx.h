@@ -15,6 +15,11 @@
 // a flag whose upper 32 bits are call `seq`, sleep `ms`; off unless a driver sets it). That
 // is the window in which a faster peer's next call would overwrite the data if neither
 // parity nor the end barrier protected it.
+//
+// Hooks: a build that defines EMU_PTX_HOOKS before including this provides
+// emu_hook_acquire_load(p, v), emu_hook_release_store(p, v, before) and
+// emu_hook_relaxed_store(p, v) in pa2a::cuda (the transport's staged gate,
+// transport_emu/include/emu_staged_gate.h); without it they do nothing.
 #pragma once
 
 #include <time.h>
@@ -33,6 +38,12 @@ struct EmuAcquireDelay {
 };
 inline EmuAcquireDelay emu_acquire_delay;
 
+#ifndef EMU_PTX_HOOKS
+inline void emu_hook_acquire_load(const void*, uint64_t) {}
+inline void emu_hook_release_store(const void*, uint64_t, bool) {}
+inline void emu_hook_relaxed_store(const void*, uint32_t) {}
+#endif
+
 inline void emu_check_aligned(const void* p, uintptr_t n, const char* what) {
   if (reinterpret_cast<uintptr_t>(p) % n != 0) emu::fail(std::string(what) + " misaligned");
 }
@@ -44,6 +55,7 @@ inline uint64_t ld_acquire_sys(const uint64_t* p) {
     emu_acquire_delay.seq = 0;  // once
     usleep(emu_acquire_delay.ms * 1000u);
   }
+  emu_hook_acquire_load(p, v);
   return v;
 }
 
@@ -54,11 +66,14 @@ inline uint32_t ld_relaxed_sys(const uint32_t* p) {
 
 inline void st_release_sys(uint64_t* p, uint64_t v) {
   emu_check_aligned(p, 8, "st.release.sys.u64");
+  emu_hook_release_store(p, v, true);
   __atomic_store_n(p, v, __ATOMIC_RELEASE);
+  emu_hook_release_store(p, v, false);
 }
 
 inline void st_relaxed_sys(uint32_t* p, uint32_t v) {
   emu_check_aligned(p, 4, "st.relaxed.sys.u32");
+  emu_hook_relaxed_store(p, v);
   __atomic_store_n(p, v, __ATOMIC_RELAXED);
 }
 

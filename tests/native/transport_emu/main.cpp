@@ -51,6 +51,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <functional>
@@ -916,6 +917,32 @@ int run_inprocess(const Case& c, const std::string& prefix) {
   return status;
 }
 
+// EMU_STAGED_GATE=R (ptx.cuh of the emulation): the regions of a segment it watches, from
+// the layout the transport uses, and its shared counters in the arena's scratch.
+void setup_staged_gate(const Case& c) {
+  const char* v = std::getenv("EMU_STAGED_GATE");
+  if (v == nullptr || *v == '\0') return;
+  if (c.cfg.world != 2 || c.inprocess) die("EMU_STAGED_GATE needs world 2, one process per rank");
+  pa2a::SegmentLayout l = pa2a::segment_layout(c.cfg);
+  pa2a::add_staged_progress(&l, c.cfg);
+  pc::StagedGate& g = pc::staged_gate;
+  g.held = std::atoi(v);
+  g.flags_lo = l.flags_off;
+  g.flags_hi = l.flags_off + 2 * 2 * pa2a::kFlagLineBytes;
+  g.rows_lo = l.dispatch_off;
+  g.rows_hi = l.combine_off;
+  g.early_lo = l.progress_off;
+  g.early_hi = l.progress_off + pa2a::chunk_mark_offset(c.cfg, 0, 0, 0);
+  g.chunks_lo = g.early_hi;
+  g.chunks_hi = l.total;
+  g.consumed = reinterpret_cast<uint32_t*>(static_cast<char*>(emu_rt::scratch()) + (512u << 10));
+  std::memset(g.consumed, 0, 2 * 64 * sizeof(uint32_t));
+  g.last = reinterpret_cast<uint64_t*>(g.consumed + 2 * 64);
+  g.last[0] = g.last[1] = 0;
+  g.polled = g.last + 2;
+  g.polled[0] = g.polled[1] = 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -941,6 +968,7 @@ int main(int argc, char** argv) {
     }
   } else {
     emu_rt::arena_create(W, c.region_bytes);
+    setup_staged_gate(c);
     std::vector<pid_t> pids(W, -1);
     for (int r = 0; r < W; ++r) {
       std::fflush(nullptr);
@@ -949,6 +977,7 @@ int main(int argc, char** argv) {
       if (pid == 0) {
         prctl(PR_SET_PDEATHSIG, SIGKILL);
         emu_rt::arena_enter(r, c.region_bytes);
+        pc::staged_gate.rank = r;
         int status = 1;
         try {
           status = run_rank(c, r, prefix);
