@@ -63,7 +63,8 @@
 // Never hang. Every wait reads %globaltimer and gives up at a deadline; it then writes
 // the error word (code, op, peer, seq) and the kernel returns. The error word is read only
 // on that timer path (every few polls), not on every poll. The host turns the word into an
-// exception (CudaTransport::check). A send kernel never waits on anything.
+// exception (CudaTransport::check). A send kernel waits on nothing but, for pulled pairs,
+// the consumed lines in its own memory (pull.cuh), with the same deadline.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -76,7 +77,8 @@
 namespace pa2a::cuda {
 
 // Pairs of the CUDA transport: how a sender reaches a receiver's segment.
-enum class PairTransport : int32_t { kP2P = 0, kStaged = 1 };
+// kPull: P2P, but the receiver reads the rows from the sender's segment (pull.cuh).
+enum class PairTransport : int32_t { kP2P = 0, kStaged = 1, kPull = 2 };
 
 // The largest world the device tables and the 64-bit destination masks support. PCIe
 // servers have at most 8-10 GPUs per box; the CPU transport allows more.
@@ -103,6 +105,8 @@ enum class DeviceError : uint32_t {
   kBadCount = 4,       // the peer announced more rows than max_tokens
   kCountMismatch = 5,  // combine: rows returned != rows dispatched
   kBadInput = 6,       // this rank's topk_ids held an id outside [-1, E) or a duplicate
+  kNotConsumed = 7,    // pull: the reader did not consume the rows of the call that last
+                       // used this slot parity before the deadline (cuda/transport/pull.cuh)
 };
 
 // One 64-bit word so a single store is self-consistent whichever block wins:
@@ -149,6 +153,10 @@ struct DeviceState {
   uint32_t stat_reserved;                  //
   uint32_t stat_last_rows[kMaxWorld];      // rows it sent to each rank
   uint64_t stat_total_rows[2][kMaxWorld];  // rows sent per family and rank, in total
+  // Pull (pull.cuh): the call that last staged into own pull slots [region][parity] (0:
+  // none), and the destinations a block of the running send kernel could not store into.
+  uint32_t staged_seq[2][2];
+  uint32_t pull_blocked[2][kMaxWorld];
 };
 
 // What the kernels of one call agree on. Written by the send kernel (or the begin
@@ -169,6 +177,10 @@ struct PeerTable {
   int32_t order[kMaxWorld];       // destinations in the planner's send order
   uint64_t staged_send;           // bit d: this rank reaches d through host memory
   uint64_t staged_recv;           // bit s: s reaches this rank through host memory
+  uint8_t* pull_base[kMaxWorld];  // segment of source s that this rank reads (s's device
+                                  // memory over IPC) where this rank pulls from s
+  uint64_t pull_send;             // bit d: d pulls this rank's rows (own pull slots)
+  uint64_t pull_recv;             // bit s: this rank pulls s's rows (pull.cuh)
 };
 
 // ---- memory-ordering primitives ---------------------------------------------------------
@@ -189,7 +201,8 @@ __device__ __forceinline__ void record_error(uint64_t* err, DeviceError code, ui
 }
 
 __device__ __forceinline__ bool timed_out_elsewhere(const uint64_t* err) {
-  return error_code(*reinterpret_cast<const volatile uint64_t*>(err)) == DeviceError::kTimeout;
+  const DeviceError e = error_code(*reinterpret_cast<const volatile uint64_t*>(err));
+  return e == DeviceError::kTimeout || e == DeviceError::kNotConsumed;
 }
 
 __device__ __forceinline__ FlagLine* flag_line_at(uint8_t* base, int parity, int src,

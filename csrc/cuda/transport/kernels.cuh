@@ -50,6 +50,7 @@ struct KernelContext {
   int32_t* cnt_ws;           // [max(E_local, 1), world] expert-major counts per source
   uint32_t max_recv_blocks;  // cap of every receive grid (>= 1)
   bool pdl;                  // launch with programmatic dependent launch (sm_90+)
+  uint64_t send_timeout_ns;  // deadline of a send kernel's consumed wait (pull.cuh)
 };
 
 // ---- send (kernels_send.cu) ----------------------------------------------------------------
