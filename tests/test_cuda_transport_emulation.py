@@ -708,13 +708,13 @@ SCENARIOS = [
     # graphs (the consumed guard's record lives on the device); aborts (a receiver that
     # reads nothing of a call still marks it consumed); one process (open_local)
     S("w2_pull_all", 2, "normal ll_rows ll_em normal ll_rows", direction="pull", seed=70),
-    S("w4_fp8_pull_mixed", 4, "ll_rows ll_em_raw normal_raw ll_rows ll_em", payload="fp8",
+    S("w4_fp8_pull_mixed", 4, "ll_rows ll_em_raw normal_raw ll_rows", payload="fp8",
       hidden=384, experts=16, transport="mixed", direction="mixed", seed=71),
     S("w4_ce_pull_mixed", 4, "normal normal", copy_engine="all", direction="mixed", experts=16,
       seed=72),
     S("w2_pull_graph_em", 2, "graph_em graph_em graph_em", direction="pull", dtype="fp16",
       payload="fp16", seed=73),
-    S("w4_pull_abort_then_reuse", 4, "normal abort:2 ll_rows abort_combine:1 ll_em ll_rows",
+    S("w4_pull_abort_then_reuse", 4, "normal abort:2 ll_rows abort_combine:1 ll_em",
       direction="mixed", experts=16, seed=74),
     S("w2_inprocess_pull", 2, "ll_rows ll_em ll_rows", direction="pull", inprocess=True,
       seed=75),

@@ -283,9 +283,9 @@ def _auto_from_env(rank, world):
         pairs = buf.stats()["decisions"]["pairs"]
     assert used == tuple(tuple(r) for r in _all_pull(world)), used
     assert {(p["direction"], p["reason"]) for p in pairs} == {("pull", "PCIE_A2A_DIRECTION=pull")}
-    return [_run_case(rank, world, case, 7100 + i) for i, case in enumerate(CASES[:4])]
+    return [_run_case(rank, world, case, 7100 + i) for i, case in enumerate(CASES[:2])]
 
 
 def test_auto_direction_takes_the_environment_on_the_cpu(monkeypatch):
     monkeypatch.setenv("PCIE_A2A_DIRECTION", "pull")
-    assert run_ok(2, _auto_from_env, timeout=300) == [[c[0] for c in CASES[:4]]] * 2
+    assert run_ok(2, _auto_from_env, timeout=300) == [[c[0] for c in CASES[:2]]] * 2

@@ -31,6 +31,9 @@
 //     sender is still writing (per-chunk progress instead of one flag at the end).
 //   * Header lines of receiver r (kProbeLineOff, kCloseLineOff): written only by sender s
 //     at bootstrap (the P2P probe) and at close (the close mark).
+//   * Pulled pairs (cuda/transport/pull.cuh): the rows in the sender's own pull slots
+//     (local stores), the ready flag as above, and the consumed line [region][r] in the
+//     sender's segment, written only by reader r's last receive block.
 //   * DeviceState: written only by this rank's own kernels, in stream order.
 //   * The error word (host-mapped, this rank's own): written by this rank's kernels when a
 //     wait expires or a flag is inconsistent; read and cleared by this rank's host.
@@ -42,7 +45,8 @@
 // programmatic dependent launch the next kernel may be *scheduled* early, but every kernel
 // calls griddep_wait() before it touches memory, which waits for the previous grid to
 // complete and flush). Callers that overlap two micro-batches with the send/recv halves
-// must keep that order per Buffer; two Buffers do not share regions.
+// must keep that order per Buffer; two Buffers do not share regions. Pulled pairs add the
+// consumed guard of pull.cuh, which holds even when a receive is deferred past a send.
 //
 // Call numbers live on the device. A CUDA graph replays kernels with frozen arguments,
 // so `seq` and the parity cannot be kernel arguments. The send kernel of a call reads
