@@ -173,7 +173,10 @@ __device__ __forceinline__ void finish_send(const KernelContext& k, const CallTi
   const int W = k.cfg.world;
   const int M = k.cfg.max_tokens;
   DeviceState* st = k.state;
-  mask &= ~pull::take_blocked(k, family);
+  __shared__ uint64_t blocked;
+  if (threadIdx.x == 0) blocked = pull::take_blocked(k, family);
+  __syncthreads();
+  mask &= ~blocked;
   for (int i = threadIdx.x; i < W; i += blockDim.x) {
     const int d = k.peers->order[i];
     const int32_t c = __ldcg(counts + d);

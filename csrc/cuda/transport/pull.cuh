@@ -116,9 +116,9 @@ __device__ __forceinline__ uint64_t await_consumed(const KernelContext& k, const
   return ~static_cast<uint64_t>(blocked);
 }
 
-// Last send block: the destinations some block could not store into (their flags are
-// withheld: the reader then times out instead of reading stale rows), zeroed for the next
-// call.
+// Last send block, one thread (the block shares the result): the destinations some block
+// could not store into (their flags are withheld: the reader then times out instead of
+// reading stale rows), zeroed for the next call.
 __device__ __forceinline__ uint64_t take_blocked(const KernelContext& k, int region) {
   uint64_t m = 0;
   if (k.peers->pull_send == 0) return 0;
