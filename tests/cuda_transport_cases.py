@@ -36,6 +36,7 @@ class Case:
     max_tokens: int = 24
     raw_fp8: bool = False
     transport: str = "auto"  # auto | staged | mixed
+    direction: str = "push"  # push | pull (every P2P pair) | mixed (P2P pairs alternate)
     placement: str = "contiguous"  # contiguous | redundant | table | random | sparse
     copy_engine: str = "off"  # off | all | mixed (normal mode)
     spread: bool = False  # rank r on GPU r % device_count (multi-GPU cases)
@@ -136,6 +137,19 @@ def pair_plan(case: Case):
     return None
 
 
+def pair_direction(case: Case) -> list[list[str]]:
+    """[sender][receiver] of "push"/"pull": the diagonal and host-staged pairs push."""
+    plan = pair_plan(case) or [["p2p"] * case.world for _ in range(case.world)]
+    w = case.world
+
+    def pulls(s: int, d: int) -> bool:
+        if s == d or plan[s][d] != "p2p" or case.direction == "push":
+            return False
+        return case.direction == "pull" or (s + 2 * d) % 3 != 0
+
+    return [["pull" if pulls(s, d) else "push" for d in range(w)] for s in range(w)]
+
+
 def send_order(case: Case) -> list[list[int]]:
     w = case.world
     if case.order == "reversed":
@@ -211,6 +225,8 @@ def check_ll_rows(case: Case, rank: int, step: int, b: dict, num_tokens: int) ->
         assert bool((b["src_rank"][s * m + n : (s + 1) * m] == -1).all()), "unused src not -1"
         assert bool((b["src_token"][s * m + n : (s + 1) * m] == -1).all()), "unused tok not -1"
     assert b["per_expert"].tolist() == exp.tokens_per_expert
+    if "out" not in b:  # dispatch only
+        return
     ys = [rows_fn(e.x, r) for r, e in enumerate(exp_all)]
     want = combined(case, step, ys)[rank]
     assert torch.equal(bits(b["out"][:num_tokens]), bits(want)), "combined output differs"

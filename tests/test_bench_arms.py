@@ -53,31 +53,32 @@ def _two_ranks(rank: int, world: int):
     out, marks = AllReduceEP(None, world, rank, 8).step(x, ids, w, record=True)
     want = expected_output(x, ids, w, 4)
     err = float((out.float() - want).abs().max() / want.abs().max())
-    # a Buffer built without pair_direction pushes: asked for pull, the arm must not run
+    # a Buffer built without pair_direction takes PCIE_A2A_DIRECTION (the CPU transport has
+    # no plan): forced pull, it pulls, and asked for push the arm must not run
     with env.direction_forced("pull"):
         buf = pcie_a2a.Buffer(None, 8, 64, 4, backend="cpu")
     try:
-        why = arms.why_not_direction(buf, "pull", None)
-        push_ok = arms.why_not_direction(buf, "push", None)
+        why = arms.why_not_direction(buf, "push", None)
+        push_ok = arms.why_not_direction(buf, "pull", None)
         decisions = buf.stats()["decisions"]
     finally:
         buf.close()
     return err, marks[1] - marks[0], why, push_ok, decisions, buf.stats()["calls"]
 
 
-def test_allreduce_ep_arm_and_cpu_pull_refusal_and_decisions():
+def test_allreduce_ep_arm_and_cpu_auto_direction_and_decisions():
     for rank, (err, dispatch_ns, why, push_ok, dec, calls) in enumerate(run_ok(2, _two_ranks)):
         assert err <= 0.02, err  # bf16 partials summed by all_reduce vs the fp32 reference
         assert dispatch_ns == 0  # no dispatch phase: the tokens are replicated
-        assert why and "its decisions say push" in why
+        assert why and "its decisions say pull" in why
         assert push_ok is None
         assert dec["plan"] is None and "CPU transport" in dec["source"]
         assert [(p["src"], p["dst"]) for p in dec["pairs"]] == [(rank, 1 - rank)]
         pair = dec["pairs"][0]
         assert (pair["path"], pair["direction"], pair["engine"], pair["phase"]) == (
-            "shm", "push", "cpu", 0,
+            "shm", "pull", "cpu", 0,
         )  # fmt: skip
-        assert "push by default" in pair["reason"]
+        assert pair["reason"] == "PCIE_A2A_DIRECTION=pull"
         assert calls == 0  # stats() stays readable after close()
 
 
@@ -124,6 +125,7 @@ def test_cuda_transport_records_the_plan_per_pair(monkeypatch):
     t.pair_transport = [[P2P if v == "p2p" else STAGED for v in row] for row in rp.pair_transport]
     t.pair_transport[2][5] = STAGED  # as if CUDA reported no peer access
     t.send_order = [list(o) for o in rp.send_order]
+    t._resolve_directions(None, rp)  # Buffer(pair_direction=None): the plan's directions
     dec = t.decisions()
     assert dec["source"] == note and dec["plan"] == rp.to_dict()
     assert [p["dst"] for p in dec["pairs"]] == [0, 1, 3, 4, 5, 6, 7]
@@ -133,4 +135,46 @@ def test_cuda_transport_records_the_plan_per_pair(monkeypatch):
         assert p["planned"]["reason"] == rp.reasons[2][d]
         assert p["path"] == ("staged" if d == 5 else rp.pair_transport[2][d])
         assert p["phase"] == rp.send_order[2].index(d)
-        assert p["direction"] == "push" and "pull in the protocol is not in yet" in p["reason"]
+        if p["path"] == "staged":  # staged pairs push, whatever the plan says
+            assert p["direction"] == "push" and "host-staged" in p["reason"], p
+        else:
+            assert p["direction"] == rp.pair_direction[2][d], p
+            assert p["reason"] == "topology plan (RankPlan.pair_direction)", p
+    assert t._pair_codes()[2] == t.pair_transport[2]  # this fixture's plan pushes (no vendor)
+    # an explicit list still wins (and a staged pair still pushes)
+    t._resolve_directions([["pull" if s != d else "push" for d in range(8)] for s in range(8)], rp)
+    assert [t.pair_direction[2][d] for d in range(8)] == [
+        "push" if d == 2 or t.pair_transport[2][d] == STAGED else "pull" for d in range(8)
+    ]
+    assert t.direction_reasons[2][0] == "explicit Buffer(pair_direction=...)"
+
+
+def test_cuda_auto_direction_pulls_the_pairs_the_plan_pulls():
+    """Buffer(backend="cuda", pair_direction=None): the directions come from the topology
+    plan (rank 0's, gathered). On the Broadcom box with AMD hosts the plan pulls the
+    cross-root pairs; the transport pulls exactly those, pushes PIX and host-staged pairs,
+    and hands the kernels PULL for them."""
+    from pcie_a2a.topology import PlanOptions, load, plan, roots
+    from pcie_a2a.topology.ranks import plan_ranks
+    from pcie_a2a.transport.cuda import P2P, PULL, STAGED, CudaTransport
+    from topology_fixtures import FIXTURES
+
+    box = FIXTURES / "8x-rtxpro6000-dual-epyc9575f-broadcom-pex890xx.topo.txt"
+    topo = roots.with_vendor_hints(load(box), cpu="amd", switch="broadcom")
+    bus = [f"0000:{b:02x}:00.0" for b in (0x01, 0x21, 0x41, 0x61, 0x81, 0xA1, 0xC1, 0xE1)]
+    rp = plan_ranks(topo, plan(topo, options=PlanOptions(default_link_gen=5)), bus)
+    t = CudaTransport.__new__(CudaTransport)
+    t.rank, t.world = 0, 8
+    t.pair_transport = [[P2P if v == "p2p" else STAGED for v in row] for row in rp.pair_transport]
+    t._resolve_directions(None, rp)
+    pulled = {(s, d) for s in range(8) for d in range(8) if t.pair_direction[s][d] == "pull"}
+    planned = {(s, d) for s in range(8) for d in range(8) if rp.pair_direction[s][d] == "pull"}
+    assert pulled and pulled == planned, (pulled, planned)
+    for s in range(8):
+        for d in range(8):
+            if rp.pair_transport[s][d] == "staged" or s == d:
+                assert t.pair_direction[s][d] == "push"
+            code = t._pair_codes()[s][d]
+            assert code == (PULL if (s, d) in pulled else t.pair_transport[s][d])
+    assert t._with_pull()
+    assert t.direction_reasons[0][2] == "topology plan (RankPlan.pair_direction)"

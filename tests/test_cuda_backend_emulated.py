@@ -271,7 +271,14 @@ def _rank_in_process(rank: int, world: int, so: str, case: C.Case) -> None:
     txs = CudaTransport.in_process(
         case.world, case.hidden, case.max_tokens, case.num_topk, C.PAYLOADS[case.payload],
         C.DTYPES[case.dtype][1], C.placement(case), pair_transport=C.pair_plan(case),
+        pair_direction=C.pair_direction(case),
     )  # fmt: skip
+    want = C.pair_direction(case)
+    assert [[list(r) for r in t.pair_direction] for t in txs] == [want] * case.world
+    pulled = [
+        sum(1 << d for d in range(case.world) if want[r][d] == "pull") for r in range(case.world)
+    ]
+    assert [t._native.pull_send_mask for t in txs] == pulled
     for t in txs:
         t.emu_stream = hooks.stream()
     w, m, k = case.world, case.max_tokens, case.num_topk
@@ -318,7 +325,11 @@ def _rank_in_process(rank: int, world: int, so: str, case: C.Case) -> None:
 @pytest.mark.parametrize(
     "case",
     [C.Case("inproc_p2p_3", 3, "ll_rows", experts=9, seed=70),
-     C.Case("inproc_mixed_fp8_2", 2, "ll_rows", payload="fp8", transport="mixed", seed=71)],
+     C.Case("inproc_mixed_fp8_2", 2, "ll_rows", payload="fp8", transport="mixed", seed=71),
+     # pulled P2P pairs beside pushed and host-staged (push) ones, three calls (parity reuse)
+     C.Case("inproc_pull_mixed_3", 3, "ll_rows", experts=9, transport="mixed",
+            direction="mixed", seed=72),
+     C.Case("inproc_pull_all_2", 2, "ll_rows", direction="pull", seed=73)],
     ids=lambda c: c.name,
 )  # fmt: skip
 def test_in_process_transports(emu_so, case):

@@ -50,7 +50,7 @@ def _group(case: C.Case):
     txs = CudaTransport.in_process(
         case.world, case.hidden, case.max_tokens, case.num_topk, C.PAYLOADS[case.payload],
         C.DTYPES[case.dtype][1], C.placement(case), device=0, timeout_s=20.0,
-        pair_transport=C.pair_plan(case),
+        pair_transport=C.pair_plan(case), pair_direction=C.pair_direction(case),
     )  # fmt: skip
     streams = [torch.cuda.Stream(device=0) for _ in txs]
     return txs, streams
@@ -160,6 +160,7 @@ CASES = [
     C.Case("ip_rows_mixed_fp8_4", 4, "ll_rows", payload="fp8", transport="mixed", experts=16, seed=81),
     pytest.param(C.Case("ip_em_staged_2", 2, "ll_em", transport="staged", seed=82), marks=pytest.mark.smoke),
     C.Case("ip_em_p2p_8", 8, "ll_em", experts=16, topk=4, max_tokens=16, seed=83),
+    C.Case("ip_rows_pull_mixed_4", 4, "ll_rows", direction="mixed", experts=16, seed=87),
 ]  # fmt: skip
 
 

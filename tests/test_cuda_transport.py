@@ -73,6 +73,11 @@ CASES = [
     Case("ce_all_normal_fp8_4", 4, "normal", payload="fp8", copy_engine="all", seed=14),
     Case("ce_mixed_normal_4", 4, "normal", copy_engine="mixed", experts=16, seed=15),
     Case("ce_all_staged_mixed_4", 4, "normal", transport="mixed", copy_engine="all", seed=16),
+    # pulled P2P pairs (csrc/cuda/transport/pull.cuh), alone and beside pushed/staged ones
+    pytest.param(Case("pull_ll_rows_2", 2, "ll_rows", direction="pull", seed=17), marks=SMOKE),
+    Case("pull_normal_mixed_4", 4, "normal", direction="mixed", experts=16, seed=18),
+    Case("pull_ll_em_fp8_4", 4, "ll_em", payload="fp8", transport="mixed", direction="mixed",
+         experts=16, seed=19),
 ]  # fmt: skip
 
 
@@ -94,6 +99,7 @@ def _make(case: Case, rank: int, timeout_s: float = 30.0):
         None, rank, case.world, case.hidden, case.max_tokens, case.num_topk,
         C.PAYLOADS[case.payload], C.DTYPES[case.dtype][1], C.placement(case), device=device,
         timeout_s=timeout_s, pair_transport=_plan(case), copy_engine_min_bytes=None,
+        pair_direction=C.pair_direction(case) if case.direction != "push" else None,
     )  # fmt: skip
 
 

@@ -73,7 +73,7 @@ EMU = Path(__file__).resolve().parent / "native" / "transport_emu"
 MODEL = Path(__file__).resolve().parent / "native" / "emu"
 KERNEL_FILES = ("kernels_send.cu", "kernels_recv.cu", "kernels_combine.cu", "kernels_control.cu")
 SOURCES = (*KERNEL_FILES, "cuda_transport.cu", "ptx.cuh", "launch.cuh", "device_protocol.cuh",
-           "kernel_common.cuh", "staged_progress.cuh")  # fmt: skip
+           "kernel_common.cuh", "staged_progress.cuh", "pull.cuh")  # fmt: skip
 SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined"]
 ERR_VALUE, ERR_TIMEOUT, ERR_PEER, ERR_ABORTED = 0, 1, 2, 3  # pa2a::Error::Kind
 SHORT_TIMEOUT_MS = 400  # the timeout of steps where a peer never comes
@@ -214,6 +214,7 @@ def _calls(kind: str) -> int:
     if kind == "exit":
         return 0
     one = ("abort", "abort_combine", "abort_silent", "skip", "only0", "mismatch")
+    # two_in_flight: two dispatches (2)
     return 1 if kind in one else 2
 
 
@@ -273,6 +274,8 @@ def write_scenario(sc: Scenario, d: Path) -> None:
     pl = C.placement(case)
     offset, ranks, local = pl.csr()
     plan = C.pair_plan(case) or [["p2p"] * w for _ in range(w)]
+    pull = C.pair_direction(case)
+    code = {"staged": "1", "p2p": "0"}
     lines = [
         f"config {w} {case.hidden} {case.max_tokens} {case.num_topk} "
         f"{C.PAYLOADS[case.payload]} {C.DTYPES[case.dtype][1]} 32",
@@ -286,7 +289,8 @@ def write_scenario(sc: Scenario, d: Path) -> None:
         lines.append(f"choice_offset {r} {len(choice_offset)} " + " ".join(map(str, choice_offset)))
         lines.append(f"choice {r} {len(choice)} " + " ".join(map(str, choice)))
     for r in range(w):
-        lines.append(f"send {r} " + " ".join("1" if v == "staged" else "0" for v in plan[r]))
+        row = ["2" if pull[r][d] == "pull" else code[v] for d, v in enumerate(plan[r])]
+        lines.append(f"send {r} " + " ".join(row))
         lines.append(f"order {r} " + " ".join(map(str, C.send_order(case)[r])))
     lines.append(f"options {int(sc.inprocess)} {sc.max_recv_blocks} 3000 {sc.close_ms}")
     ce_d = _ce_bytes(case, _dispatch_slot(case))
@@ -415,10 +419,37 @@ def _check_rows_step(case: C.Case, kind: str, raw: bool, step: int, rank: int, o
         send_count = o("send_count", torch.int32, w).tolist()
         dslot, cslot = map(int, o.log["slots"].split())
         assert (dslot, cslot) == (_dispatch_slot(case), 2 * h), "slot sizes"
+        pulled = [v == "pull" for v in C.pair_direction(case)[rank]]  # rows stay here
         for key, ns, slot in (("ce_dispatch", send_count, dslot), ("ce_combine", counts, cslot)):
             limit = C.ce_min_bytes(case, slot)
-            want_mask = sum(1 << r for r, c in enumerate(ns) if c > 0 and c * slot >= limit)
+            want_mask = sum(1 << r for r, c in enumerate(ns)
+                            if c > 0 and c * slot >= limit and not pulled[r])  # fmt: skip
             assert int(o.log[key]) == want_mask, f"{key} mask"
+
+
+def _check_two_in_flight(case: C.Case, raw: bool, step: int, rank: int, o: Out) -> None:
+    """Both dispatches of the step: the reference's rows (no combine ran)."""
+    w, m, h, k = case.world, case.max_tokens, case.hidden, case.num_topk
+    n = w * m
+    dtype = C.DTYPES[case.dtype][0]
+    b = {
+        "counts": o("counts", torch.int32, w),
+        "src_rank": o("src_rank", torch.int32, n),
+        "src_token": o("src_token", torch.int32, n),
+        "ids_o": o("ids_o", torch.int32, n, k),
+        "ws_o": o("ws_o", torch.float32, n, k),
+        "per_expert": o("per_expert", torch.int32, C.placement(case).num_local_experts(rank)),
+    }
+    payload = ("fp8", torch.uint8) if raw else ("xo", dtype)
+    b[payload[0]] = o(payload[0], payload[1], n, h)
+    if raw:
+        b["scales"] = o("scales", torch.float32, n, h // 128)
+    C.check_ll_rows(case, rank, step, b, C.tokens(case, rank))
+    _check_send_side(case, step, rank, o, C.expected(case, step))
+    assert torch.equal(o("b_counts", torch.int32, w), b["counts"]), "second dispatch's counts"
+    for name, dt, shape in (("src_token", torch.int32, (n,)), ("ids_o", torch.int32, (n, k)),
+                            (payload[0], payload[1], (n, h))):  # fmt: skip
+        assert torch.equal(o(f"b_{name}", dt, *shape), b[name]), f"second dispatch's {name}"
 
 
 def _check_em_step(case: C.Case, raw: bool, step: int, rank: int, o: Out, reduce=True) -> None:
@@ -554,6 +585,9 @@ def check_scenario(sc: Scenario, d: Path) -> None:
                     else:
                         assert err is None, err
                     _check_rows_step(case, "ll_rows", raw, i, r, o)
+                elif kind == "two_in_flight":
+                    assert err is None, err
+                    _check_two_in_flight(case, raw, i, r, o)
                 elif kind == "exit":
                     pass
                 elif kind in ("abort", "abort_combine"):
@@ -686,6 +720,27 @@ SCENARIOS = [
     # a rank that exits without close(): the others keep their segments
     S("w3_exit_without_close", 3, "ll_rows exit:2", experts=9, leaked=(0, 1), close_ms=300,
       seed=68),
+    # pull (cuda/transport/pull.cuh): every P2P pair pulled, dispatch and combine, both
+    # layouts and modes, each parity reused; mixed with push and host-staged (push) pairs,
+    # fp8; the copy engine beside pulled pairs (they stay warp stores into own memory);
+    # graphs (the consumed guard's record lives on the device); aborts (a receiver that
+    # reads nothing of a call still marks it consumed); one process (open_local)
+    S("w2_pull_all", 2, "normal ll_rows ll_em normal ll_rows", direction="pull", seed=70),
+    S("w4_fp8_pull_mixed", 4, "ll_rows ll_em_raw normal_raw ll_rows", payload="fp8",
+      hidden=384, experts=16, transport="mixed", direction="mixed", seed=71),
+    S("w4_ce_pull_mixed", 4, "normal normal", copy_engine="all", direction="mixed", experts=16,
+      seed=72),
+    S("w2_pull_graph_em", 2, "graph_em graph_em graph_em", direction="pull", dtype="fp16",
+      payload="fp16", seed=73),
+    S("w4_pull_abort_then_reuse", 4, "normal abort:2 ll_rows abort_combine:1 ll_em",
+      direction="mixed", experts=16, seed=74),
+    S("w2_inprocess_pull", 2, "ll_rows ll_em ll_rows", direction="pull", inprocess=True,
+      seed=75),
+    # two dispatches in flight (a deferred receive), rank 1 slow before its sends and its
+    # receives: its peer must wait for its consumed flag before reusing a parity (a slow
+    # reader) and for its ready flag before loading (a slow sender)
+    S("w2_pull_two_in_flight_slow", 2, "two_in_flight two_in_flight two_in_flight",
+      direction="pull", env=(("EMU_SLOW_RANK", "1"), ("EMU_SLOW_MS", "300")), seed=76),
 ]  # fmt: skip
 
 
@@ -704,8 +759,8 @@ MUTATIONS = [
     # dispatch rows stored in the other parity's slots than the receiver reads
     (
         "kernels_send.cu",
-        ": dispatch_slot(k, k.peers->send_base[d], static_cast<int>(t.parity),",
-        ": dispatch_slot(k, k.peers->send_base[d], static_cast<int>(t.seq & 1u),",
+        ": pull::send_slot(k, kDispatchRegion, static_cast<int>(t.parity), d, j);",
+        ": pull::send_slot(k, kDispatchRegion, static_cast<int>(t.seq & 1u), d, j);",
         "w2_bf16_p2p",
     ),
     # slots of a destination assigned in reverse token order within a block
@@ -941,6 +996,36 @@ MUTATIONS = [
         "layout_.dispatch_off + slot_offset(config_, 1 - static_cast<int>(t.parity), rank_, 0, slot);",
         "w4_bf16_ce_all_staged",
     ),
+    # pull (a): a wrong consumed epoch: the sender checks the consumed flag for the call
+    # before the one that last used the parity, so it reuses the slots (and the ready flag's
+    # line) while a slow reader has not read them. (A reader storing seq - 1 is no such slip:
+    # consumed only grows, and the reader's next call of the region, which it reads before
+    # the sender can reuse the parity, stores a value past the guard.)
+    ("pull.cuh", "k.state->staged_seq[region][t.parity] = t.seq;",
+     "k.state->staged_seq[region][t.parity] = t.seq - 1;", "w2_pull_two_in_flight_slow"),
+    # pull: the combine receive marks the dispatch region consumed: the combine's pulled
+    # slots are never handed back, and the sender times out naming the reader
+    ("kernels_combine.cu", "  finish_recv(k, nullptr, t, kCombineRegion);",
+     "  finish_recv(k, nullptr, t, kDispatchRegion);", "w2_pull_all"),
+    # pull (b): the receiver skips the ready-flag acquire of a pulled pair and loads the rows
+    # (and the count) that are there: a slow sender's previous call, or nothing
+    (
+        "kernels_recv.cu",
+        "    n = wait_flag(f, t, s, k.cfg.max_tokens, -1, timeout_ns, k.err);\n    counts[s]",
+        "    n = pull::pulls_from(k, s) ? static_cast<int32_t>(flag_count(ld_acquire_sys(&f->word)))"
+        " : wait_flag(f, t, s, k.cfg.max_tokens, -1, timeout_ns, k.err);\n    counts[s]",
+        "w2_pull_two_in_flight_slow",
+    ),
+    # pull (c): the sender reuses a parity without waiting for the reader's consumed flag: it
+    # overwrites the rows (and the ready flag) a slow reader has not read yet
+    ("pull.cuh", "  const uint32_t need = k.state->staged_seq[region][t.parity];",
+     "  const uint32_t need = 0;", "w2_pull_two_in_flight_slow"),
+    # pull: the receive side reads a pulled source's rows from its own receive slots
+    ("pull.cuh", "  if (pulls_from(k, s)) {\n    const size_t off",
+     "  if (false) {\n    const size_t off", "w4_fp8_pull_mixed"),
+    # pull, host: the copy engine also serves a pulled destination (pushes into its memory)
+    ("cuda_transport.cu", "    if ((table_.pull_send >> d) & 1ull) continue;  // d pulls: the rows stay here\n",
+     "", "w4_ce_pull_mixed"),
     # host: the copy engine's flag (a stream memory operation) announces the wrong count
     (
         "cuda_transport.cu",
@@ -963,6 +1048,7 @@ def _mutant(base: Path, tmp: Path, n: int, mutations=MUTATIONS, fast: bool = Tru
         "kernel_common.cuh": KERNEL_FILES,
         "staged_progress.cuh": KERNEL_FILES[:3],
         "device_protocol.cuh": (*KERNEL_FILES, "cuda_transport.cu"),
+        "pull.cuh": KERNEL_FILES,
     }.get(fname, (fname,))
     if len(mutations[n]) > 4:  # a header slip in code only these kernel files use
         rebuild = mutations[n][4]

@@ -271,3 +271,21 @@ def _rounds(rank, world, direction, rounds):
 def test_many_calls_with_a_slow_reader_reuse_pull_slots_safely():
     world = 4
     assert run_ok(world, _rounds, _mixed(world, seed=11), 8, timeout=300) == [8] * world
+
+
+def _auto_from_env(rank, world):
+    """Buffer(pair_direction=None) with PCIE_A2A_DIRECTION=pull: the CPU transport resolves
+    every pair to pull by itself (no plan), says why, and the calls match the reference."""
+    import pcie_a2a
+
+    with pcie_a2a.Buffer(None, 16, 256, 4) as buf:
+        used = buf.pair_direction
+        pairs = buf.stats()["decisions"]["pairs"]
+    assert used == tuple(tuple(r) for r in _all_pull(world)), used
+    assert {(p["direction"], p["reason"]) for p in pairs} == {("pull", "PCIE_A2A_DIRECTION=pull")}
+    return [_run_case(rank, world, case, 7100 + i) for i, case in enumerate(CASES[:2])]
+
+
+def test_auto_direction_takes_the_environment_on_the_cpu(monkeypatch):
+    monkeypatch.setenv("PCIE_A2A_DIRECTION", "pull")
+    assert run_ok(2, _auto_from_env, timeout=300) == [[c[0] for c in CASES[:2]]] * 2

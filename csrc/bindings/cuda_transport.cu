@@ -69,17 +69,19 @@ PYBIND11_MODULE(_cuda_transport, m) {
       .def(py::init([](const std::string& prefix, int32_t rank, int32_t world, int32_t hidden,
                        int32_t max_tokens, int32_t num_topk, int payload, int dtype, int32_t device,
                        int32_t num_local_experts, bool need_host_region, int32_t host_numa_node,
-                       int32_t max_recv_blocks, bool pdl) {
+                       int32_t max_recv_blocks, bool pdl, bool with_pull, double send_timeout_s) {
              py::gil_scoped_release release;
              return new CudaTransport(
                  prefix, rank,
                  pa2a::make_wire_config(world, hidden, max_tokens, num_topk, payload, dtype),
-                 device, num_local_experts, need_host_region, host_numa_node, max_recv_blocks, pdl);
+                 device, num_local_experts, need_host_region, host_numa_node, max_recv_blocks, pdl,
+                 with_pull, send_timeout_s);
            }),
            py::arg("prefix"), py::arg("rank"), py::arg("world"), py::arg("hidden"),
            py::arg("max_tokens"), py::arg("num_topk"), py::arg("payload"), py::arg("dtype"),
            py::arg("device"), py::arg("num_local_experts"), py::arg("need_host_region"),
-           py::arg("host_numa_node") = -1, py::arg("max_recv_blocks") = 0, py::arg("pdl") = true)
+           py::arg("host_numa_node") = -1, py::arg("max_recv_blocks") = 0, py::arg("pdl") = true,
+           py::arg("with_pull") = false, py::arg("send_timeout_s") = 30.0)
       .def_static("segment_name", &CudaTransport::segment_name)
       .def_static("unlink_name", &CudaTransport::unlink_name)
       .def("ipc_handle", [](const CudaTransport& t) { return py::bytes(t.ipc_handle()); })
@@ -142,6 +144,9 @@ PYBIND11_MODULE(_cuda_transport, m) {
       .def_property_readonly("device", &CudaTransport::device)
       .def_property_readonly("host_seq", &CudaTransport::host_seq)
       .def_property_readonly("max_recv_blocks", &CudaTransport::max_recv_blocks)
+      .def_property_readonly("with_pull", &CudaTransport::with_pull)
+      .def_property_readonly("pull_send_mask", &CudaTransport::pull_send_mask)
+      .def_property_readonly("pull_recv_mask", &CudaTransport::pull_recv_mask)
       .def_property_readonly("pdl", &CudaTransport::pdl)
       .def_property_readonly("ce_flag_path", &CudaTransport::ce_flag_path)
       .def(

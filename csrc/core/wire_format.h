@@ -66,12 +66,22 @@
 //   safe with two parities. A rank may run at most one call ahead of the slowest peer.
 //   Flags use parity seq % 2: the flag of call n + 2 overwrites the line of call n only
 //   after its reader saw it (the sender has received n + 1 from that reader, which sent it
-//   after receiving n).
+//   after receiving n; for a pulled pair also because the sender stores the flag of n + 2
+//   only after the consumed wait, which follows the reader's acquire of the flag of n).
+// Both transports run these rules: the CPU transport on the host (shm_transport.cpp), the
+// CUDA transport on the device (cuda/transport/pull.cuh: every send block waits on the
+// consumed lines in its own memory with a deadline, the call that last used each parity is
+// kept in DeviceState so graph replays keep it, the last receive block stores consumed).
+// Host-staged CUDA pairs always push.
 // The tests that break it: tests/test_protocol.py::test_reuse_invariant_breaks_without_parity
-// (push: a sender two calls ahead with a single parity, the receiver reads the wrong rows)
-// and tests/test_pull_protocol.py (pull: a sender two calls ahead of a slow reader times out
+// (push: a sender two calls ahead with a single parity, the receiver reads the wrong rows),
+// tests/test_pull_protocol.py (pull: a sender two calls ahead of a slow reader times out
 // naming it, and with the consumed wait switched off it overwrites the rows being read;
-// a reader storing the wrong consumed epoch makes the sender time out).
+// a reader storing the wrong consumed epoch makes the sender time out), and for the CUDA
+// kernels tests/test_cuda_transport_emulation.py::test_emulation_catches_mutations on the
+// scenario w2_pull_two_in_flight_slow (two dispatches in flight, a slow peer): the consumed
+// wait removed, the consumed flag checked for the wrong call, or the ready flag not
+// acquired, and the rows or flags a slow reader has not read yet are overwritten.
 #pragma once
 
 #include <cstdint>

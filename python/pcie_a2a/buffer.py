@@ -121,8 +121,12 @@ class Buffer:
         pair_direction: ``[world][world]`` of ``"push"``/``"pull"``, sender first (as
             ``RankPlan.pair_direction``): how the rows of each ordered pair move, in dispatch
             (token's rank -> expert's rank) and combine (expert's rank -> token's rank).
-            Default (None or empty): every pair pushes. Pull runs on the CPU transport
-            only so far.
+            Pull runs on both backends (CUDA: P2P pairs; host-staged pairs always push).
+            Default (None or empty): the transport decides, the same on every rank: CUDA
+            takes the topology plan's ``pair_direction`` (gathered from rank 0; push
+            without a plan), CPU pushes unless ``PCIE_A2A_DIRECTION`` says otherwise. After
+            construction ``pair_direction`` holds what is used; ``stats()["decisions"]``
+            gives each pair's direction with its reason (explicit, plan, env, default).
     """
 
     def __init__(
@@ -189,6 +193,7 @@ class Buffer:
                 f"{placement.num_experts} experts on {placement.world} ranks",
                 f"{num_experts} experts on {self.world} ranks",
             )
+        # None: "auto" until the transport resolved it (see _bootstrap)
         self.pair_direction = _check_pair_direction(pair_direction, self.world)
         self.backend = choose_backend(backend)
         self.num_experts = num_experts
@@ -228,7 +233,8 @@ class Buffer:
             "placement": self.placement.replicas,
             "replica_choice": self.placement.choice,
             "backend": self.backend,
-            "pair_direction": self.pair_direction,
+            # auto: every rank must also see the same PCIE_A2A_DIRECTION (CPU resolves it)
+            "pair_direction": self.pair_direction or ("auto", env.direction()),
             "wire_version": _native.transport().WIRE_VERSION,
         }
 
@@ -259,6 +265,7 @@ class Buffer:
         # Garbage collection and interpreter exit cannot close collectively: abandon()
         # releases what no peer can still write into and leaves the rest to the process exit.
         self._finalizer = weakref.finalize(self, transport.abandon)
+        self.pair_direction = tuple(tuple(r) for r in transport.pair_direction)  # resolved
         if transport.numa_warning:
             warnings.warn(f"pcie_a2a rank {self.rank}: {transport.numa_warning}", stacklevel=4)
         self._transport = transport
@@ -899,9 +906,9 @@ class Buffer:
         return self._combine_receive(seq, op, parity, handle, return_recv_hook)
 
 
-def _check_pair_direction(direction: Any, world: int) -> tuple[tuple[str, ...], ...]:
+def _check_pair_direction(direction: Any, world: int) -> tuple[tuple[str, ...], ...] | None:
     if direction is None or (isinstance(direction, (list, tuple)) and len(direction) == 0):
-        return tuple(("push",) * world for _ in range(world))  # RankPlan's "no decision"
+        return None  # auto: the transport decides (RankPlan's "no decision" is empty too)
     rows = [list(r) for r in direction] if isinstance(direction, (list, tuple)) else None
     if rows is None or len(rows) != world or any(len(r) != world for r in rows):
         raise _fail(

@@ -41,6 +41,8 @@ const char* error_name(DeviceError e) {
       return "bad topk_ids";
     case DeviceError::kEarlyMismatch:
       return "early count line mismatch";
+    case DeviceError::kNotConsumed:
+      return "rows not consumed";
     default:
       return "unknown";
   }
@@ -88,7 +90,8 @@ DeviceReport CudaTransport::device_report(int32_t device) {
 
 CudaTransport::CudaTransport(std::string prefix, int32_t rank, const WireConfig& config,
                              int32_t device, int32_t num_local_experts, bool need_host_region,
-                             int32_t host_numa_node, int32_t max_recv_blocks, bool pdl)
+                             int32_t host_numa_node, int32_t max_recv_blocks, bool pdl,
+                             bool with_pull, double send_timeout_s)
     : prefix_(std::move(prefix)),
       rank_(rank),
       config_(config),
@@ -116,7 +119,9 @@ CudaTransport::CudaTransport(std::string prefix, int32_t rank, const WireConfig&
                  "num_local_experts must be in [0, 4096], got ", num_local_experts);
   PA2A_CHECK_ARG(max_recv_blocks >= 0, "max_recv_blocks must be >= 0 (0: one per SM), got ",
                  max_recv_blocks);
-  layout_ = segment_layout(c);
+  with_pull_ = with_pull;
+  send_timeout_ns_ = timeout_ns(send_timeout_s);
+  layout_ = segment_layout(c, with_pull);
   add_staged_progress(&layout_, c);  // host-staged pairs' per-chunk progress (both segments)
   slot_ = dispatch_slot_layout(c);
   ipc_opened_.assign(c.world, nullptr);
@@ -280,15 +285,24 @@ void CudaTransport::set_table(const std::vector<int32_t>& send_transport,
     seen[order[i]] = true;
     table_.order[i] = order[i];
   }
-  table_.staged_send = table_.staged_recv = 0;
+  table_.staged_send = table_.staged_recv = table_.pull_send = table_.pull_recv = 0;
   for (int32_t r = 0; r < W; ++r) {
     const auto st = static_cast<PairTransport>(send_transport[r]);
     const auto rt = static_cast<PairTransport>(recv_transport[r]);
-    PA2A_CHECK_ARG(st == PairTransport::kP2P || st == PairTransport::kStaged, "send_transport[", r,
-                   "] must be 0 (p2p) or 1 (staged)");
-    PA2A_CHECK_ARG(rt == PairTransport::kP2P || rt == PairTransport::kStaged, "recv_transport[", r,
-                   "] must be 0 (p2p) or 1 (staged)");
+    PA2A_CHECK_ARG(send_transport[r] >= 0 && send_transport[r] <= 2, "send_transport[", r,
+                   "] must be 0 (p2p push), 1 (staged) or 2 (p2p pull), got ", send_transport[r]);
+    PA2A_CHECK_ARG(recv_transport[r] >= 0 && recv_transport[r] <= 2, "recv_transport[", r,
+                   "] must be 0 (p2p push), 1 (staged) or 2 (p2p pull), got ", recv_transport[r]);
+    const bool pull = st == PairTransport::kPull || rt == PairTransport::kPull;
+    PA2A_CHECK_ARG(!pull || r != rank_, "rank ", rank_,
+                   " cannot pull from itself (the diagonal "
+                   "pair is push)");
+    PA2A_CHECK_ARG(!pull || with_pull_, "pair (", rank_, ", ", r,
+                   ") pulls but this transport "
+                   "was built with with_pull = false (no pull slots in its segment)");
     if (r == rank_) continue;  // our own rows never leave the device
+    if (st == PairTransport::kPull) table_.pull_send |= 1ull << r;
+    if (rt == PairTransport::kPull) table_.pull_recv |= 1ull << r;
     if (st == PairTransport::kStaged) table_.staged_send |= 1ull << r;
     if (rt == PairTransport::kStaged) {
       PA2A_CHECK_ARG(host_seg_dev_ != nullptr, "rank ", r, " sends to rank ", rank_,
@@ -299,7 +313,7 @@ void CudaTransport::set_table(const std::vector<int32_t>& send_transport,
   for (int32_t r = 0; r < W; ++r) {
     const bool staged_in = (table_.staged_recv >> r) & 1ull;
     table_.recv_base[r] = r != rank_ && staged_in ? host_seg_dev_ : dev_seg_;
-    if (r == rank_) table_.send_base[r] = dev_seg_;
+    if (r == rank_) table_.send_base[r] = table_.pull_base[r] = dev_seg_;
   }
   nonce_ = nonce;
 }
@@ -316,31 +330,38 @@ void CudaTransport::open_peers(const std::vector<std::string>& handles,
   for (int32_t r = 0; r < W; ++r) {
     if (r == rank_) continue;
     if (!((table_.staged_send >> r) & 1ull)) {
-      PA2A_CHECK_ARG(handles[r].size() == sizeof(cudaIpcMemHandle_t), "rank ", r,
-                     "'s IPC handle has ", handles[r].size(), " bytes, expected ",
-                     sizeof(cudaIpcMemHandle_t));
-      cudaIpcMemHandle_t h;
-      std::memcpy(&h, handles[r].data(), sizeof(h));
-      void* p = nullptr;
-      const cudaError_t err = cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess);
-      if (err != cudaSuccess) {
-        (void)cudaGetLastError();
-        PA2A_THROW(kPeer, "rank ", rank_, " cannot open rank ", r,
-                   "'s device segment through CUDA IPC: ", cudaGetErrorName(err), ": ",
-                   cudaGetErrorString(err),
-                   " (peer access unsupported? force host staging with PCIE_A2A_P2P=0)");
-      }
-      ipc_opened_[r] = p;
-      table_.send_base[r] = static_cast<uint8_t*>(p);
+      table_.send_base[r] = static_cast<uint8_t*>(open_ipc(r, handles[r]));
     } else {
       host_maps_[r] = map_host_segment(r, false);
       void* d = nullptr;
       PA2A_CUDA_CHECK(cudaHostGetDevicePointer(&d, host_maps_[r], 0));
       table_.send_base[r] = static_cast<uint8_t*>(d);
     }
+    if ((table_.pull_recv >> r) & 1ull)  // r's device segment, to read its pull slots
+      table_.pull_base[r] = static_cast<uint8_t*>(open_ipc(r, handles[r]));
   }
   PA2A_CUDA_CHECK(cudaMemcpy(table_dev_, &table_, sizeof(table_), cudaMemcpyHostToDevice));
   opened_ = true;
+}
+
+// Rank r's device segment mapped here (once; closed by close_imports).
+void* CudaTransport::open_ipc(int32_t r, const std::string& handle) {
+  if (ipc_opened_[r] != nullptr) return ipc_opened_[r];
+  PA2A_CHECK_ARG(handle.size() == sizeof(cudaIpcMemHandle_t), "rank ", r, "'s IPC handle has ",
+                 handle.size(), " bytes, expected ", sizeof(cudaIpcMemHandle_t));
+  cudaIpcMemHandle_t h;
+  std::memcpy(&h, handle.data(), sizeof(h));
+  void* p = nullptr;
+  const cudaError_t err = cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    PA2A_THROW(kPeer, "rank ", rank_, " cannot open rank ", r,
+               "'s device segment through CUDA IPC: ", cudaGetErrorName(err), ": ",
+               cudaGetErrorString(err),
+               " (peer access unsupported? force host staging with PCIE_A2A_P2P=0)");
+  }
+  ipc_opened_[r] = p;
+  return p;
 }
 
 void CudaTransport::open_local(const std::vector<CudaTransport*>& peers,
@@ -359,6 +380,7 @@ void CudaTransport::open_local(const std::vector<CudaTransport*>& peers,
         "'s transport on the same device with the same configuration");
     if (r == rank_) continue;
     peers[r]->exported_ = true;  // this rank writes into it from now on
+    table_.pull_base[r] = p->dev_seg_;
     if ((table_.staged_send >> r) & 1ull) {
       PA2A_CHECK_ARG(p->host_seg_dev_ != nullptr, "open_local: rank ", r,
                      " has no host region but rank ", rank_, " sends to it staged");
@@ -617,6 +639,11 @@ void CudaTransport::check() {
                  "in range, each at most once per token. The GPU checks ids without a host "
                  "synchronisation, so this is raised at the next call: those entries were "
                  "skipped (not sent)");
+    case DeviceError::kNotConsumed:
+      PA2A_THROW(kTimeout, "rank ", rank_, " timed out on the GPU in ", op_name(op), " (call ", seq,
+                 ") waiting for rank ", peer,
+                 " to consume (pull) the rows of the call that last used this slot parity: that "
+                 "rank is behind by more than one call, stuck, or exited");
     case DeviceError::kOpMismatch:
       PA2A_THROW(kPeer, "rank ", peer, " is in another call than rank ", rank_, "'s ", op_name(op),
                  " (call ", seq,
@@ -671,6 +698,7 @@ KernelContext CudaTransport::context() const {
   k.cnt_ws = cnt_ws_;
   k.max_recv_blocks = static_cast<uint32_t>(max_recv_blocks_);
   k.pdl = pdl_;
+  k.send_timeout_ns = send_timeout_ns_;
   return k;
 }
 
@@ -842,6 +870,7 @@ void CudaTransport::dispatch_send_ce(CallTicket* ticket, uint32_t op, const void
   for (int32_t d = 0; d < W; ++d) {
     const int32_t n = ce_host_->counts[d];
     if (n <= 0 || static_cast<uint64_t>(n) * slot < min_bytes) continue;
+    if ((table_.pull_send >> d) & 1ull) continue;  // d pulls: the rows stay here
     mask |= 1ull << d;
     copies[d].src = pack_ + static_cast<size_t>(d) * M * slot;
     copies[d].dst_off =
@@ -892,6 +921,7 @@ void CudaTransport::combine_send_ce(CallTicket* ticket, uint32_t op, const void*
   for (int32_t s = 0; s < W; ++s) {
     const int32_t n = counts[s];
     if (n <= 0 || static_cast<uint64_t>(n) * slot < min_bytes) continue;
+    if ((table_.pull_send >> s) & 1ull) continue;  // s pulls: the rows stay here
     mask |= 1ull << s;
     copies[s].src = static_cast<const uint8_t*>(y) + static_cast<size_t>(row_base_host[s]) * slot;
     copies[s].dst_off =

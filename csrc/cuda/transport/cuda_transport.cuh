@@ -82,10 +82,13 @@ class CudaTransport {
   // some peer sends to this rank staged (the caller knows the whole plan).
   // max_recv_blocks: cap of every receive grid (0: the device's number of SMs), so that two
   // Buffers on two streams cannot starve each other's send kernels. pdl: programmatic
-  // dependent launch where the device has it (sm_90+).
+  // dependent launch where the device has it (sm_90+). with_pull: some pair of the group
+  // pulls (the same on every rank: the segment then has the pull slots and consumed lines
+  // of core/wire_format.h); send_timeout_s: deadline of a send kernel's consumed wait.
   CudaTransport(std::string prefix, int32_t rank, const WireConfig& config, int32_t device,
                 int32_t num_local_experts, bool need_host_region, int32_t host_numa_node,
-                int32_t max_recv_blocks = 0, bool pdl = true);
+                int32_t max_recv_blocks = 0, bool pdl = true, bool with_pull = false,
+                double send_timeout_s = 30.0);
   ~CudaTransport();
   CudaTransport(const CudaTransport&) = delete;
   CudaTransport& operator=(const CudaTransport&) = delete;
@@ -97,7 +100,9 @@ class CudaTransport {
   std::string ipc_handle() const;  // 64 bytes (cudaIpcMemHandle_t)
 
   // handles[r]: rank r's ipc_handle(); send_transport[d]: how this rank reaches d
-  // (PairTransport); recv_transport[s]: how s reaches this rank; order: destinations in
+  // (PairTransport: kPull means d reads this rank's rows from its segment);
+  // recv_transport[s]: how s reaches this rank (kPull: this rank reads s's segment, which it
+  // opens through IPC whatever its own direction to s); order: destinations in
   // the planner's send order (a permutation of 0..world-1); nonce: the same on every rank
   // of this bootstrap (the probe pattern and the close mark).
   void open_peers(const std::vector<std::string>& handles,
@@ -188,6 +193,10 @@ class CudaTransport {
   uint32_t host_seq() const { return host_seq_; }
   int32_t max_recv_blocks() const { return max_recv_blocks_; }
   bool pdl() const { return pdl_; }
+  bool with_pull() const { return with_pull_; }
+  // Bit d: d pulls this rank's rows (send); bit s: this rank pulls from s (receive).
+  uint64_t pull_send_mask() const { return table_.pull_send; }
+  uint64_t pull_recv_mask() const { return table_.pull_recv; }
 
  private:
   // One copy-engine transfer of the current call: src -> send_base[r] + dst_off.
@@ -207,6 +216,7 @@ class CudaTransport {
   KernelContext context() const;
   void require_open(const char* what) const;
   void* map_host_segment(int32_t r, bool create);
+  void* open_ipc(int32_t r, const std::string& handle);
   void check_dispatch_args(const void* x, int32_t num_tokens, int32_t topk) const;
   void set_table(const std::vector<int32_t>& send_transport,
                  const std::vector<int32_t>& recv_transport, const std::vector<int32_t>& order,
@@ -229,6 +239,8 @@ class CudaTransport {
   int32_t host_numa_node_;
   int32_t max_recv_blocks_ = 1;
   bool pdl_ = false;
+  bool with_pull_ = false;
+  uint64_t send_timeout_ns_ = 0;
   SegmentLayout layout_;
   SlotLayout slot_;
   bool opened_ = false;

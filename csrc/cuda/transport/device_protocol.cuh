@@ -32,6 +32,9 @@
 //     early lines and combine chunk marks of staged pairs: staged_progress.cuh.
 //   * Header lines of receiver r (kProbeLineOff, kCloseLineOff): written only by sender s
 //     at bootstrap (the P2P probe) and at close (the close mark).
+//   * Pulled pairs (cuda/transport/pull.cuh): the rows in the sender's own pull slots
+//     (local stores), the ready flag as above, and the consumed line [region][r] in the
+//     sender's segment, written only by reader r's last receive block.
 //   * DeviceState: written only by this rank's own kernels, in stream order.
 //   * The error word (host-mapped, this rank's own): written by this rank's kernels when a
 //     wait expires or a flag is inconsistent; read and cleared by this rank's host.
@@ -43,7 +46,8 @@
 // programmatic dependent launch the next kernel may be *scheduled* early, but every kernel
 // calls griddep_wait() before it touches memory, which waits for the previous grid to
 // complete and flush). Callers that overlap two micro-batches with the send/recv halves
-// must keep that order per Buffer; two Buffers do not share regions.
+// must keep that order per Buffer; two Buffers do not share regions. Pulled pairs add the
+// consumed guard of pull.cuh, which holds even when a receive is deferred past a send.
 //
 // Call numbers live on the device. A CUDA graph replays kernels with frozen arguments,
 // so `seq` and the parity cannot be kernel arguments. The send kernel of a call reads
@@ -64,7 +68,8 @@
 // Never hang. Every wait reads %globaltimer and gives up at a deadline; it then writes
 // the error word (code, op, peer, seq) and the kernel returns. The error word is read only
 // on that timer path (every few polls), not on every poll. The host turns the word into an
-// exception (CudaTransport::check). A send kernel never waits on anything.
+// exception (CudaTransport::check). A send kernel waits on nothing but, for pulled pairs,
+// the consumed lines in its own memory (pull.cuh), with the same deadline.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -77,7 +82,8 @@
 namespace pa2a::cuda {
 
 // Pairs of the CUDA transport: how a sender reaches a receiver's segment.
-enum class PairTransport : int32_t { kP2P = 0, kStaged = 1 };
+// kPull: P2P, but the receiver reads the rows from the sender's segment (pull.cuh).
+enum class PairTransport : int32_t { kP2P = 0, kStaged = 1, kPull = 2 };
 
 // The largest world the device tables and the 64-bit destination masks support. PCIe
 // servers have at most 8-10 GPUs per box; the CPU transport allows more.
@@ -105,6 +111,8 @@ enum class DeviceError : uint32_t {
   kCountMismatch = 5,  // combine: rows returned != rows dispatched
   kBadInput = 6,       // this rank's topk_ids held an id outside [-1, E) or a duplicate
   kEarlyMismatch = 7,  // a staged peer's early count line disagrees with its rows or flag
+  kNotConsumed = 8,    // pull: the reader did not consume the rows of the call that last
+                       // used this slot parity before the deadline (cuda/transport/pull.cuh)
 };
 
 // One 64-bit word so a single store is self-consistent whichever block wins:
@@ -156,6 +164,10 @@ struct DeviceState {
   // of s are counted (count kMirrorFailed when its wait failed).
   uint64_t staged_counts[kMaxWorld];
   uint64_t staged_rows[kMaxWorld];
+  // Pull (pull.cuh): the call that last staged into own pull slots [region][parity] (0:
+  // none), and the destinations a block of the running send kernel could not store into.
+  uint32_t staged_seq[2][2];
+  uint32_t pull_blocked[2][kMaxWorld];
 };
 
 // What the kernels of one call agree on. Written by the send kernel (or the begin
@@ -176,6 +188,10 @@ struct PeerTable {
   int32_t order[kMaxWorld];       // destinations in the planner's send order
   uint64_t staged_send;           // bit d: this rank reaches d through host memory
   uint64_t staged_recv;           // bit s: s reaches this rank through host memory
+  uint8_t* pull_base[kMaxWorld];  // segment of source s that this rank reads (s's device
+                                  // memory over IPC) where this rank pulls from s
+  uint64_t pull_send;             // bit d: d pulls this rank's rows (own pull slots)
+  uint64_t pull_recv;             // bit s: this rank pulls s's rows (pull.cuh)
 };
 
 // ---- memory-ordering primitives ---------------------------------------------------------
@@ -196,7 +212,8 @@ __device__ __forceinline__ void record_error(uint64_t* err, DeviceError code, ui
 }
 
 __device__ __forceinline__ bool timed_out_elsewhere(const uint64_t* err) {
-  return error_code(*reinterpret_cast<const volatile uint64_t*>(err)) == DeviceError::kTimeout;
+  const DeviceError e = error_code(*reinterpret_cast<const volatile uint64_t*>(err));
+  return e == DeviceError::kTimeout || e == DeviceError::kNotConsumed;
 }
 
 __device__ __forceinline__ FlagLine* flag_line_at(uint8_t* base, int parity, int src,

@@ -8,6 +8,7 @@
 #include "core/numeric.h"
 #include "cuda/transport/kernels.cuh"
 #include "cuda/transport/launch.cuh"
+#include "cuda/transport/pull.cuh"
 
 namespace pa2a::cuda {
 namespace detail {
@@ -151,7 +152,8 @@ __device__ __forceinline__ CallTicket call_ticket(const KernelContext& k, const 
 // arrival; the last block to arrive acquires them all, release-stores the flags in the
 // planner's order, records the statistics and (begin) writes the ticket and advances the
 // call counters. counts[d] is read with ld.cg: another block wrote it. Destinations outside
-// `mask` get no flag: the copy-engine path publishes theirs after its copy.
+// `mask` get no flag: the copy-engine path publishes theirs after its copy; nor do pulled
+// destinations whose consumed wait failed (pull.cuh).
 __device__ __forceinline__ void finish_send(const KernelContext& k, const CallTicket& t, int family,
                                             bool begin, CallTicket* ticket, const int32_t* counts,
                                             uint64_t mask) {
@@ -171,6 +173,10 @@ __device__ __forceinline__ void finish_send(const KernelContext& k, const CallTi
   const int W = k.cfg.world;
   const int M = k.cfg.max_tokens;
   DeviceState* st = k.state;
+  __shared__ uint64_t blocked;
+  if (threadIdx.x == 0) blocked = pull::take_blocked(k, family);
+  __syncthreads();
+  mask &= ~blocked;
   for (int i = threadIdx.x; i < W; i += blockDim.x) {
     const int d = k.peers->order[i];
     const int32_t c = __ldcg(counts + d);
@@ -185,6 +191,7 @@ __device__ __forceinline__ void finish_send(const KernelContext& k, const CallTi
   if (threadIdx.x == 0) {
     st->stat_calls += 1;
     st->stat_last_family = static_cast<uint32_t>(family);
+    pull::note_staged(k, family, t);
     if (begin) {
       *ticket = t;
       st->seq = t.seq;
@@ -206,8 +213,10 @@ __device__ __forceinline__ uint32_t next_item(const KernelContext& k) {
 
 // After a block's last item. The last block to finish zeroes the counters for the next
 // receive kernel ("zero counters in the previous receive": no memset is ever enqueued)
-// and moves the expert counts accumulated in k.ecount to expert_count (if given).
-__device__ __forceinline__ void finish_recv(const KernelContext& k, int32_t* expert_count) {
+// and moves the expert counts accumulated in k.ecount to expert_count (if given); then it
+// tells the sources this rank pulls from that call t is consumed (`region`, pull.cuh).
+__device__ __forceinline__ void finish_recv(const KernelContext& k, int32_t* expert_count,
+                                            const CallTicket& t, int region) {
   __shared__ bool last;
   __threadfence();  // this thread's counter updates before the block's arrival
   __syncthreads();
@@ -224,6 +233,7 @@ __device__ __forceinline__ void finish_recv(const KernelContext& k, int32_t* exp
     k.state->recv_ticket = 0;
     k.state->recv_done = 0;
   }
+  pull::publish_consumed(k, t, region);
 }
 
 }  // namespace detail

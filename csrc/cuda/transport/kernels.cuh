@@ -20,6 +20,9 @@
 //                     outputs (weighted, fp32, k order) into them, and publishes flags.
 //   combine_recv      pollers per source, then one warp per token: sum the partials in fp32
 //                     in ascending rank order (the CPU order).
+// A pulled pair (pull.cuh) changes only where the rows go: the send kernels store them into
+// the sender's own pull slots (after the consumed wait), the receive kernels load them from
+// the sender's segment and their last block stores the consumed flag.
 // Normal mode adds wait_counts (the host reads the counts); the copy-engine path adds
 // begin_call, count_destinations and, per copy, a stream memory operation (or the
 // publish_one kernel) for the flag.
@@ -50,6 +53,7 @@ struct KernelContext {
   int32_t* cnt_ws;           // [max(E_local, 1), world] expert-major counts per source
   uint32_t max_recv_blocks;  // cap of every receive grid (>= 1)
   bool pdl;                  // launch with programmatic dependent launch (sm_90+)
+  uint64_t send_timeout_ns;  // deadline of a send kernel's consumed wait (pull.cuh)
 };
 
 // ---- send (kernels_send.cu) ----------------------------------------------------------------

@@ -46,12 +46,14 @@ __global__ void __launch_bounds__(kThreads)
   const int s = blockIdx.x;
   const CallTicket t = call_ticket(k, ticket, begin != 0, 1, op);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  // Sources in ce_mask get their rows from the copy engine (rows layout only).
-  const int n = ((ce_mask >> s) & 1ull) ? 0 : min(max(recv_count[s], 0), M);
+  // Sources in ce_mask get their rows from the copy engine (rows layout only); a pulling
+  // source that never consumed this parity's last call gets none (pull.cuh).
+  const bool store = (pull::await_consumed(k, t, kCombineRegion, 1ull << s) >> s) & 1ull;
+  const int n = ((ce_mask >> s) & 1ull) || !store ? 0 : min(max(recv_count[s], 0), M);
   const int j1 = min((static_cast<int>(blockIdx.y) + 1) * kRowsPerBlock, n);
   for (int j = blockIdx.y * kRowsPerBlock + warp; j < j1; j += kWarps) {
     uint4* dst = reinterpret_cast<uint4*>(
-        combine_slot(k, k.peers->send_base[s], static_cast<int>(t.parity), k.rank, j));
+        pull::send_slot(k, kCombineRegion, static_cast<int>(t.parity), s, j));
     if constexpr (kExpertMajor) {
       const int64_t row = static_cast<int64_t>(s) * M + j;
       for (int v = lane; v < H / 8; v += 32)
@@ -147,8 +149,7 @@ __global__ void __launch_bounds__(kThreads)
       for (int d = 0; d < W; ++d) {
         const int j = slot_of[warp][d];
         if (j < 0) continue;
-        const uint8_t* row =
-            combine_slot(k, k.peers->recv_base[d], static_cast<int>(t.parity), d, j);
+        const uint8_t* row = pull::recv_slot(k, kCombineRegion, static_cast<int>(t.parity), d, j);
         float f[8];
         unpack8<kDT>(reinterpret_cast<const uint4*>(row)[v], f);
 #pragma unroll
@@ -158,7 +159,7 @@ __global__ void __launch_bounds__(kThreads)
     }
     __syncwarp();  // slot_of is rewritten by this warp's next token
   }
-  finish_recv(k, nullptr);
+  finish_recv(k, nullptr, t, kCombineRegion);
 }
 
 }  // namespace

@@ -14,12 +14,18 @@ __global__ void wait_counts_kernel(KernelContext k, const CallTicket* ticket, in
   griddep_wait();
   griddep_launch_dependents();
   const CallTicket t = *ticket;
+  __shared__ int failed;
+  if (threadIdx.x == 0) failed = 0;
+  __syncthreads();
   for (int s = threadIdx.x; s < k.cfg.world; s += blockDim.x) {
     const FlagLine* f = flag_line_at(k.peers->recv_base[s], static_cast<int>(t.seq & 1u), s, k.cfg);
     const int32_t n =
         wait_flag(f, t, s, k.cfg.max_tokens, -1, timeout_ns, k.err, tolerate_aborts != 0);
     counts[s] = n < 0 ? 0 : n;
+    if (n < 0) failed = 1;
   }
+  __syncthreads();  // this rank reads nothing of the call: its pulled sources may reuse
+  if (tolerate_aborts != 0 || failed != 0) pull::publish_consumed(k, t, pull::region_of(t.op));
 }
 
 // Poller of source s (one thread). wait: acquires the flag (deadline) and writes counts[s].
@@ -135,8 +141,7 @@ __global__ void __launch_bounds__(kThreads)
     const int j1 = min(j0 + kRowsPerBlock, wait ? M : n);
     for (int j = j0 + warp; j < j1; j += kWarps) {
       const int64_t i = row_base != nullptr ? row_base[s] + j : static_cast<int64_t>(s) * M + j;
-      const uint8_t* slot =
-          dispatch_slot(k, k.peers->recv_base[s], static_cast<int>(t.parity), s, j);
+      const uint8_t* slot = pull::recv_slot(k, kDispatchRegion, static_cast<int>(t.parity), s, j);
       const bool have = drain ? staged_row_arrived(k, t, slot, s, j, timeout_ns, lane) : j < n;
       if (!have) {  // low-latency static shape: mark the unused row
         for (int q = lane; q < K; q += 32) {
@@ -169,7 +174,7 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
   }
-  finish_recv(k, expert_count);
+  finish_recv(k, expert_count, t, kDispatchRegion);
 }
 
 // ---- expert-major: one kernel ------------------------------------------------------------
@@ -227,7 +232,7 @@ __global__ void __launch_bounds__(kThreads)
         float w = 0.0f;
         if (j < n) {
           const uint8_t* slot =
-              dispatch_slot(k, k.peers->recv_base[s], static_cast<int>(t.parity), s, j);
+              pull::recv_slot(k, kDispatchRegion, static_cast<int>(t.parity), s, j);
           const int32_t ne = reinterpret_cast<const int32_t*>(slot)[1];
           if (kk < ne) {
             e = reinterpret_cast<const int32_t*>(slot + k.slot.experts_off)[kk];
@@ -296,8 +301,7 @@ __global__ void __launch_bounds__(kThreads)
       const int j1 = min(j0 + kRowsPerBlock, n_sh);
       for (int j = j0 + warp; j < j1; j += kWarps) {
         const int64_t row = static_cast<int64_t>(s) * M + j;
-        const uint8_t* slot =
-            dispatch_slot(k, k.peers->recv_base[s], static_cast<int>(t.parity), s, j);
+        const uint8_t* slot = pull::recv_slot(k, kDispatchRegion, static_cast<int>(t.parity), s, j);
         const int32_t src_tok = reinterpret_cast<const int32_t*>(slot)[0];
         for (int kk = lane; kk < K; kk += 32) {
           const int32_t e = __ldcg(row_experts + row * K + kk);
@@ -375,7 +379,7 @@ __global__ void __launch_bounds__(kThreads)
         src_info[static_cast<int64_t>(e) * cap + p] = -1;
     }
   }
-  finish_recv(k, nullptr);
+  finish_recv(k, nullptr, t, kDispatchRegion);
 }
 
 }  // namespace

@@ -102,6 +102,7 @@ __global__ void __launch_bounds__(kThreads)
   const int t0 = blockIdx.x * tok_per_block;
   const int ntok = max(0, min(num_tokens, t0 + tok_per_block) - t0);
   const int E = k.placement.num_experts;
+  const uint64_t may_store = pull::await_consumed(k, t, kDispatchRegion, ~0ull);
 
   for (int d = tid; d < W; d += blockDim.x) base[d] = 0;
   if (tid == 0) bad_sh = 0;
@@ -151,6 +152,7 @@ __global__ void __launch_bounds__(kThreads)
     const uint32_t packed = rows[r];
     const int d = static_cast<int>(packed & 63u), i = static_cast<int>((packed >> 6) & 63u);
     const int j = static_cast<int>(packed >> 12);
+    if (!((may_store >> d) & 1ull)) continue;  // its reader never consumed: no stores
     const int tok = t0 + i;
     const int64_t g = global_token_id(k.rank, M, tok);
     for (int q = lane; q < kvec * 4; q += 32) {
@@ -189,9 +191,8 @@ __global__ void __launch_bounds__(kThreads)
     // stored last below; every other row's header is complete at once.
     const bool ce = (pack_mask >> d) & 1ull;
     const bool drain = !ce && ((k.peers->staged_send >> d) & 1ull);
-    uint8_t* slot =
-        ce ? pack + (static_cast<size_t>(d) * M + j) * k.seg.dispatch_slot
-           : dispatch_slot(k, k.peers->send_base[d], static_cast<int>(t.parity), k.rank, j);
+    uint8_t* slot = ce ? pack + (static_cast<size_t>(d) * M + j) * k.seg.dispatch_slot
+                       : pull::send_slot(k, kDispatchRegion, static_cast<int>(t.parity), d, j);
     if (lane == 0) {
       if (drain)
         *reinterpret_cast<int2*>(slot) = make_int2(tok, n);

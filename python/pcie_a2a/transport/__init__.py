@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from pcie_a2a import _native, env
 from pcie_a2a.placement import Placement
-from pcie_a2a.transport.base import Transport, pair_decisions
+from pcie_a2a.transport.base import Transport, pair_decisions, resolve_pair_direction
 
 BACKENDS = ("cpu", "cuda")
 
@@ -34,7 +34,8 @@ class TransportSpec:
     dtype: int  # 0 bf16, 1 fp16
     placement: Placement
     timeout_s: float
-    pair_direction: tuple[tuple[str, ...], ...]  # [src][dst] "push" or "pull"
+    # [src][dst] "push" or "pull"; None: the transport decides (its plan, else env, else push)
+    pair_direction: tuple[tuple[str, ...], ...] | None
 
 
 def choose_backend(backend: str) -> str:
@@ -58,26 +59,26 @@ def choose_backend(backend: str) -> str:
 def _open_cpu(spec: TransportSpec, prefix: str, check_all) -> Transport:
     from pcie_a2a.transport.cpu import CpuTransport
 
-    return CpuTransport(spec.group, spec.rank, spec.world, spec.hidden, spec.max_tokens,
-                        spec.num_topk, spec.payload, spec.dtype, prefix=prefix,
-                        check_all=check_all, pair_direction=spec.pair_direction,
-                        timeout_s=spec.timeout_s)  # fmt: skip
+    # No topology to plan: explicit, else PCIE_A2A_DIRECTION for every pair, else push.
+    direction, reasons = resolve_pair_direction(spec.world, spec.pair_direction, None,
+                                                env.direction())  # fmt: skip
+    t = CpuTransport(spec.group, spec.rank, spec.world, spec.hidden, spec.max_tokens,
+                     spec.num_topk, spec.payload, spec.dtype, prefix=prefix, check_all=check_all,
+                     pair_direction=direction, timeout_s=spec.timeout_s)  # fmt: skip
+    t.direction_reasons = reasons
+    return t
 
 
 def _open_cuda(spec: TransportSpec, prefix: str, check_all) -> Transport:
     # NOT YET RUN ON A GPU (see docs/cuda_transport.md). The transport bootstraps itself
-    # (its own segment names, IPC handles, pair plan and probe).
+    # (its own segment names, IPC handles, pair plan, directions and probe).
     del prefix, check_all
-    if any("pull" in row for row in spec.pair_direction):
-        raise ValueError(
-            "pair_direction: got a 'pull' pair; allowed with backend='cuda': all 'push' (the "
-            "CUDA kernels do not pull yet)"
-        )
     from pcie_a2a.transport.cuda import CudaTransport
 
     return CudaTransport(spec.group, spec.rank, spec.world, spec.hidden, spec.max_tokens,
                          spec.num_topk, spec.payload, spec.dtype, spec.placement,
-                         device=None, timeout_s=spec.timeout_s)  # fmt: skip
+                         device=None, timeout_s=spec.timeout_s,
+                         pair_direction=spec.pair_direction)  # fmt: skip
 
 
 _OPENERS: dict[str, Callable[..., Transport]] = {"cpu": _open_cpu, "cuda": _open_cuda}

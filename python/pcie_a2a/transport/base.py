@@ -41,6 +41,9 @@ class Transport(abc.ABC):
     numa_warning: str = ""
     numa_node: int = -1
     numa_bound: bool = False
+    #: [src][dst] "push"/"pull" as used (resolve_pair_direction), and why, per pair
+    pair_direction: tuple[tuple[str, ...], ...]
+    direction_reasons: Any = ""
 
     # ---- lifecycle ---------------------------------------------------------------------
     @abc.abstractmethod
@@ -134,6 +137,38 @@ class Transport(abc.ABC):
         """Per rank pair what this transport does and why (see :func:`pair_decisions`)."""
 
 
+def resolve_pair_direction(
+    world: int,
+    explicit: Any,
+    planned: Any = None,
+    env_direction: str | None = None,
+    staged: list[list[bool]] | None = None,
+) -> tuple[tuple[tuple[str, ...], ...], list[list[str]]]:
+    """How every ordered pair [src][dst] moves its rows ("push"/"pull") and why. The first
+    that applies: a rank's own rows and host-staged pairs (``staged[s][d]``) push; an
+    explicit ``Buffer(pair_direction=...)`` (checked by Buffer); the topology plan's
+    ``RankPlan.pair_direction`` (``planned``, which already folds in PCIE_A2A_DIRECTION and
+    PCIE_A2A_PAIRS); ``env_direction`` (PCIE_A2A_DIRECTION, for a transport without a
+    plan); push. Every rank computes the same from the same gathered inputs."""
+    out = [["push"] * world for _ in range(world)]
+    why = [[""] * world for _ in range(world)]
+    for s in range(world):
+        for d in range(world):
+            if s == d:
+                why[s][d] = "a rank's own rows: push"
+            elif staged is not None and staged[s][d]:
+                why[s][d] = "host-staged pair: push (pull reads a peer's GPU memory over P2P)"
+            elif explicit is not None:
+                out[s][d], why[s][d] = explicit[s][d], "explicit Buffer(pair_direction=...)"
+            elif planned:
+                out[s][d], why[s][d] = planned[s][d], "topology plan (RankPlan.pair_direction)"
+            elif env_direction is not None:
+                out[s][d], why[s][d] = env_direction, f"PCIE_A2A_DIRECTION={env_direction}"
+            else:
+                why[s][d] = "default: push (no plan, no PCIE_A2A_DIRECTION)"
+    return tuple(tuple(r) for r in out), why
+
+
 def pair_decisions(
     rank: int,
     world: int,
@@ -143,7 +178,7 @@ def pair_decisions(
     send_order: list[list[int]],
     direction: str | list[list[str]],
     engine: str,
-    reason: str,
+    reason: str | list[list[str]],
 ) -> dict[str, Any]:
     """The ``Buffer.stats()["decisions"]`` record, the same shape for every backend.
 
@@ -165,7 +200,7 @@ def pair_decisions(
             "direction": direction if isinstance(direction, str) else direction[rank][d],
             "engine": engine,
             "phase": order.index(d) if d in order else -1,
-            "reason": reason,
+            "reason": reason if isinstance(reason, str) else reason[rank][d],
         }
         if (rank, d) in planned:
             entry["planned"] = planned[(rank, d)]

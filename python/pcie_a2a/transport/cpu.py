@@ -54,6 +54,7 @@ class CpuTransport(Transport):
         native = _native.transport()
         self.rank, self.world = rank, world
         self.pair_direction = pair_direction  # [src][dst], checked by Buffer
+        self.direction_reasons: Any = "Buffer(pair_direction=...)"  # _open_cpu: per pair
         names = [native.ShmTransport.segment_name(prefix, r) for r in range(world)]
         self._finalizer = weakref.finalize(self, _release, None, names)
         tx, error = None, None
@@ -152,6 +153,5 @@ class CpuTransport(Transport):
             [],  # the C++ transport sends to rank + 1, rank + 2, ...
             [list(row) for row in self.pair_direction],
             "cpu",
-            "Buffer(pair_direction=...): push by default; a pulled pair's receiver reads the "
-            "rows from the sender's segment and hands the slots back with a consumed flag",
+            self.direction_reasons,
         )

@@ -39,9 +39,9 @@ from pcie_a2a import cuda_checks, env
 from pcie_a2a.placement import Placement
 from pcie_a2a.topology.live import cuda_bus_id
 from pcie_a2a.topology.ranks import default_send_order
-from pcie_a2a.transport.base import Transport, pair_decisions
+from pcie_a2a.transport.base import Transport, pair_decisions, resolve_pair_direction
 
-P2P, STAGED = 0, 1
+P2P, STAGED, PULL = 0, 1, 2  # PULL: a P2P pair whose receiver reads the rows (pull.cuh)
 _OP_DISPATCH, _OP_COMBINE, _OP_LL_DISPATCH, _OP_LL_COMBINE = 1, 2, 3, 4
 _FAMILY = {_OP_DISPATCH: 0, _OP_LL_DISPATCH: 0, _OP_COMBINE: 1, _OP_LL_COMBINE: 1}
 
@@ -211,6 +211,11 @@ class CudaTransport(Transport):
             Default: PCIE_A2A_COPY_ENGINE_MIN_BYTES (256 KiB). Low-latency calls always
             use warp stores (they must stay capturable and free of host synchronisation).
         probe_timeout_s: how long the bootstrap probe waits for every pair's pattern.
+        pair_direction: optional ``[world][world]`` of "push"/"pull" (sender first); default:
+            the topology plan's ``pair_direction``, push without a plan. A pulled P2P pair's
+            sender stages its rows in its own segment and the receiver's SM loads them
+            (``csrc/cuda/transport/pull.cuh``); host-staged pairs always push.
+            ``pair_direction`` / ``direction_reasons`` hold what is used and why.
 
     Rank 0 plans the pairs with the topology planner (PCIE_A2A_TOPO_FILE or the live
     machine, PCIE_A2A_P2P / PCIE_A2A_P2P_LEVEL, ranks matched to GPUs by PCI address;
@@ -244,14 +249,14 @@ class CudaTransport(Transport):
         staging_numa: int | None = None,
         copy_engine_min_bytes: int | str | None = "env",
         probe_timeout_s: float = 5.0,
+        pair_direction: Any = None,
     ):
         mod = native()
         self._setup(rank, world, hidden, max_tokens, num_topk, payload, dtype, placement,
                     device, timeout_s, copy_engine_min_bytes)  # fmt: skip
         self.group = group if group is not None else dist.group.WORLD
-        self._bootstrap(
-            mod, placement, pair_transport, send_order, staging_numa, float(probe_timeout_s)
-        )
+        self._bootstrap(mod, placement, pair_transport, send_order, staging_numa,
+                        float(probe_timeout_s), pair_direction)  # fmt: skip
 
     def _setup(self, rank, world, hidden, max_tokens, num_topk, payload, dtype, placement,
                device, timeout_s, copy_engine_min_bytes) -> None:  # fmt: skip
@@ -290,7 +295,8 @@ class CudaTransport(Transport):
         self._counts_dev: torch.Tensor | None = None
 
     # ---- bootstrap ---------------------------------------------------------------------
-    def _bootstrap(self, mod, placement, pair_transport, send_order, staging_numa, probe_s):
+    def _bootstrap(self, mod, placement, pair_transport, send_order, staging_numa, probe_s,
+                   pair_direction=None):  # fmt: skip
         rank, world = self.rank, self.world
         idx = self.device.index
         # 1. Who is where: every local step catches its error and reaches the gather.
@@ -342,6 +348,7 @@ class CudaTransport(Transport):
         for s in range(world):
             plan[s][s] = P2P
         self.pair_transport = plan
+        self._resolve_directions(pair_direction, rp)
         if send_order is not None:
             self.send_order = [list(o) for o in send_order]
         elif rp is not None:
@@ -354,7 +361,7 @@ class CudaTransport(Transport):
         # 4. Regions (the space in /dev/shm is reserved: too small is an error naming it).
         tx, error, handle = None, None, b""
         try:
-            tx = self._construct(mod, need_host, staging_numa)
+            tx = self._construct(mod, need_host, staging_numa, self._with_pull())
             handle = tx.ipc_handle()
         except Exception as exc:  # reported to every rank below
             error = f"rank {rank}: {cuda_checks.explain_cuda_error(str(exc))}"
@@ -362,7 +369,8 @@ class CudaTransport(Transport):
         self._finalizer = weakref.finalize(self, _release, tx, self._names)
         handles = self._check_all(error, "creating device and host regions", handle)
         try:
-            tx.open_peers(handles, plan[rank], [plan[s][rank] for s in range(world)],
+            codes = self._pair_codes()
+            tx.open_peers(handles, codes[rank], [codes[s][rank] for s in range(world)],
                           self.send_order[rank], self.nonce)  # fmt: skip
             tx.set_placement(*placement.csr(), *placement.choice_csr(rank))
         except Exception as exc:
@@ -395,7 +403,27 @@ class CudaTransport(Transport):
             for d in range(self.world)
         ]
 
-    def _construct(self, mod, need_host: bool, staging_numa: int | None):
+    def _resolve_directions(self, explicit: Any, rp: Any) -> None:
+        """Push or pull per pair (the same on every rank: the plan was gathered from rank 0,
+        the P2P/staged plan from every sender); staged pairs push."""
+        w = self.world
+        staged = [[self.pair_transport[s][d] == STAGED for d in range(w)] for s in range(w)]
+        planned = list(rp.pair_direction) if rp is not None and rp.pair_direction else None
+        self.pair_direction, self.direction_reasons = resolve_pair_direction(
+            w, explicit, planned, None, staged
+        )
+
+    def _pair_codes(self) -> list[list[int]]:
+        """The native pair plan: P2P, STAGED, or PULL for a pulled P2P pair."""
+        return [
+            [PULL if self.pair_direction[s][d] == "pull" else v for d, v in enumerate(row)]
+            for s, row in enumerate(self.pair_transport)
+        ]
+
+    def _with_pull(self) -> bool:
+        return any("pull" in row for row in self.pair_direction)
+
+    def _construct(self, mod, need_host: bool, staging_numa: int | None, with_pull: bool):
         return mod.CudaTransport(
             self._prefix,
             self.rank,
@@ -411,6 +439,8 @@ class CudaTransport(Transport):
             -1 if staging_numa is None else int(staging_numa),
             env.recv_blocks() or 0,
             env.pdl(),
+            with_pull,
+            self.timeout_s,
         )
 
     @classmethod
@@ -428,6 +458,7 @@ class CudaTransport(Transport):
         timeout_s: float = 30.0,
         pair_transport: list[list[Any]] | None = None,
         send_order: list[list[int]] | None = None,
+        pair_direction: Any = None,
     ) -> list[CudaTransport]:
         """All W ranks' transports in this process (no process group, no IPC): the tables
         take each other's pointers. Give each rank its own stream; issue every rank's send
@@ -449,16 +480,18 @@ class CudaTransport(Transport):
             t._setup(r, world, hidden, max_tokens, num_topk, payload, dtype, placement, device,
                      timeout_s, None)  # fmt: skip
             t.pair_transport, t.send_order, t.nonce = plan, [list(o) for o in order], _nonce(prefix)
+            t._resolve_directions(pair_direction, None)
             t._prefix = prefix
             t._names = [mod.CudaTransport.segment_name(prefix, q) for q in range(world)]
             need_host = any(plan[s][r] == STAGED for s in range(world) if s != r)
-            t._native = t._construct(mod, need_host, None)
+            t._native = t._construct(mod, need_host, None, t._with_pull())
             t._finalizer.detach()
             t._finalizer = weakref.finalize(t, _release, t._native, t._names)
             out.append(t)
         natives = [t._native for t in out]
         for r, t in enumerate(out):
-            t._native.open_local(natives, plan[r], [plan[s][r] for s in range(world)],
+            codes = t._pair_codes()
+            t._native.open_local(natives, codes[r], [codes[s][r] for s in range(world)],
                                  t.send_order[r], t.nonce)  # fmt: skip
             t._native.set_placement(*placement.csr(), *placement.choice_csr(r))
             t._native.unlink_own()
@@ -1003,8 +1036,9 @@ class CudaTransport(Transport):
 
     def decisions(self) -> dict[str, Any]:
         """Per outgoing pair: the path used (the plan's, unless CUDA peer access or an
-        explicit argument made it staged), the phase in the send order, and the topology
-        plan's decision (direction, engine, phase, reasons) where there was a plan."""
+        explicit argument made it staged), the direction used and why (explicit, plan,
+        default; staged pairs push), the phase in the send order, and the topology plan's
+        decision (direction, engine, phase, reasons) where there was a plan."""
         rp = self.topology_plan
         names = {P2P: "p2p", STAGED: "staged"}
         path = [[names.get(v, str(v)) for v in row] for row in self.pair_transport]
@@ -1015,9 +1049,10 @@ class CudaTransport(Transport):
             None if rp is None else rp.to_dict(),
             path,
             self.send_order,
-            "push",
-            "sm or copy engine (normal mode, pairs of at least copy_engine_min_bytes)",
-            "this transport pushes every pair: pull in the protocol is not in yet",
+            [list(row) for row in self.pair_direction],
+            "sm (pulled pairs: the receiver's SM loads) or copy engine (pushed pairs in normal "
+            "mode of at least copy_engine_min_bytes)",
+            self.direction_reasons,
         )
 
     def last_bytes(self) -> list[int]:

@@ -15,13 +15,18 @@
 //   offset N v..  /  replica_rank N v..  /  replica_local N v..   placement CSR
 //   choice_offset R N v..  /  choice R N v..    rank R's replica choice row (optional)
 //   local_experts v.. (W)                       num_local_experts per rank
-//   send R v.. (W)                              rank R's pair plan: 0 P2P, 1 staged
+//   send R v.. (W)                              rank R's pair plan: 0 P2P, 1 staged, 2 P2P
+//                                               pulled by the receiver (pull.cuh)
 //   order R v.. (W)                             rank R's send order
 //   options INPROCESS MAX_RECV_BLOCKS PROBE_MS CLOSE_MS
 //   step I KIND WHO CE_DISPATCH CE_COMBINE RAW TIMEOUT_MS
 //   shape I R T TOPK                            rank R's tokens in step I
 // KIND: ll_rows | ll_em | graph_rows | graph_em | normal | abort | abort_combine |
-// abort_silent | skip | only0 | mismatch | count_mismatch | bad_ids | exit.
+// abort_silent | skip | only0 | mismatch | count_mismatch | bad_ids | exit | two_in_flight.
+// two_in_flight: two low-latency dispatches of the step's inputs sent back to back, then both
+// received (a deferred receive, as with DeepEP's receive hook); no combine. EMU_SLOW_RANK=R
+// makes rank R sleep EMU_SLOW_MS (default 300) before its sends and before its receives of
+// such a step: a slow reader and a slow sender for its peers.
 // CE_*: copy-engine min_bytes of the normal mode's dispatch / combine (-1: warp stores
 // only). RAW: unpack fp8 rows as raw bytes and scales. WHO: the rank that aborts, skips,
 // calls another op, passes bad ids (its transport reports them at the end of the step, as
@@ -57,6 +62,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "core/exception.h"
@@ -302,6 +308,7 @@ class Rank {
     if (k == "mismatch") return {[this, &s] { mismatch(s); }};
     if (k == "abort_silent") return {[this, &s] { abort_silent(s); }};
     if (k == "count_mismatch") return {[this, &s] { count_mismatch(s); }};
+    if (k == "two_in_flight") return {[this, &s] { two_in_flight(s); }};
     die("unknown step kind " + k);
   }
 
@@ -538,6 +545,35 @@ class Rank {
           log_stats();
         },
     };
+  }
+
+  // Two dispatches in flight (see the top comment). The second one's rows are dumped with
+  // the prefix "b_" (the same inputs: the same rows).
+  void two_in_flight(const Step& s) {
+    const char* slow = std::getenv("EMU_SLOW_RANK");
+    const char* ms = std::getenv("EMU_SLOW_MS");
+    const auto nap = [&] {
+      if (slow != nullptr && std::atoi(slow) == r_)
+        std::this_thread::sleep_for(std::chrono::milliseconds(ms != nullptr ? std::atoi(ms) : 300));
+    };
+    nap();
+    Send a = inputs(s), b = inputs(s);
+    Dev ca(static_cast<size_t>(W()) * 4), cb(static_cast<size_t>(W()) * 4);
+    Rows oa = rows(cap(), s.raw), ob = rows(cap(), s.raw);
+    send(a, 3);
+    send(b, 3);
+    nap();
+    unpack(s, a, true, ca, nullptr, oa);
+    unpack(s, b, true, cb, nullptr, ob);
+    sync_check();
+    dump(s, r_, "counts", ca);
+    dump_rows(s, oa);
+    dump_send_side(s, a);
+    dump(s, r_, "b_counts", cb);
+    dump(s, r_, "b_src_token", *ob.src_token);
+    dump(s, r_, "b_ids_o", *ob.ids);
+    if (ob.x) dump(s, r_, "b_xo", *ob.x);
+    if (ob.fp8) dump(s, r_, "b_fp8", *ob.fp8);
   }
 
   // ---- the same, captured once in two graphs (dispatch, combine) and replayed per step
@@ -795,6 +831,20 @@ std::vector<int32_t> recv_plan(const Case& c, int r) {
   return recv;
 }
 
+bool with_pull(const Case& c) {
+  for (const auto& row : c.send)
+    for (const int32_t v : row)
+      if (v == 2) return true;
+  return false;
+}
+
+// The send kernels' consumed wait: the longest step timeout.
+double send_timeout(const Case& c) {
+  double t = 0;
+  for (const Step& s : c.steps) t = s.timeout_s > t ? s.timeout_s : t;
+  return t > 0 ? t : 30.0;
+}
+
 bool needs_host(const Case& c, int r) {
   bool need = false;
   for (int s = 0; s < c.cfg.world; ++s) need |= s != r && c.send[s][r] == 1;
@@ -829,7 +879,8 @@ int run_rank(const Case& c, int r, const std::string& prefix) {
   bool leaked = false;
   size_t segment_bytes = 0;
   {
-    pc::CudaTransport tx(prefix, r, c.cfg, 0, c.local[r], needs_host(c, r), -1, c.max_recv_blocks);
+    pc::CudaTransport tx(prefix, r, c.cfg, 0, c.local[r], needs_host(c, r), -1, c.max_recv_blocks,
+                         true, with_pull(c), send_timeout(c));
     segment_bytes = tx.segment_bytes();
     const std::string h = tx.ipc_handle();
     std::memcpy(scratch->handles[r], h.data(), 64);
@@ -872,7 +923,8 @@ int run_inprocess(const Case& c, const std::string& prefix) {
     std::vector<pc::CudaTransport*> peers;
     for (int r = 0; r < W; ++r) {
       txs.push_back(std::make_unique<pc::CudaTransport>(prefix, r, c.cfg, 0, c.local[r],
-                                                        needs_host(c, r), -1, c.max_recv_blocks));
+                                                        needs_host(c, r), -1, c.max_recv_blocks,
+                                                        true, with_pull(c), send_timeout(c)));
       peers.push_back(txs.back().get());
     }
     for (int r = 0; r < W; ++r) {
