@@ -825,12 +825,12 @@ MUTATIONS = [
         "kernels_combine.cu",
         "  const int j1 = min((static_cast<int>(blockIdx.y) + 1) * kRowsPerBlock, n);\n"
         "  for (int j = blockIdx.y * kRowsPerBlock + warp; j < j1; j += kWarps) {\n"
-        "    uint4* dst = reinterpret_cast<uint4*>(\n        combine_slot(",
+        "    uint4* dst = reinterpret_cast<uint4*>(\n        pull::send_slot(",
         "  const int j1 = min((static_cast<int>(blockIdx.y) + 1) * kRowsPerBlock, n);\n"
         "  publish_chunk_mark(k, t, s, static_cast<int>(blockIdx.y),\n"
         "                     j1 - static_cast<int>(blockIdx.y) * kRowsPerBlock);\n"
         "  for (int j = blockIdx.y * kRowsPerBlock + warp; j < j1; j += kWarps) {\n"
-        "    uint4* dst = reinterpret_cast<uint4*>(\n        combine_slot(",
+        "    uint4* dst = reinterpret_cast<uint4*>(\n        pull::send_slot(",
         "w2_staged_drain_gate",
     ),
     # expert-major: a row read while its mark still holds the previous call of its parity
