@@ -106,10 +106,19 @@ def test_the_flag_tag_names_a_disagreeing_peer():
         r1.close()
 
 
+def _good_call(r0, r1, seq: int) -> None:
+    """Call seq on both ranks (rank 0 sends first, finishes last): 3 + 4 everywhere."""
+    out0, out1 = torch.empty(N, dtype=torch.bfloat16), torch.empty(N, dtype=torch.bfloat16)
+    _half(r0, "send", seq, _x(3.0), out0)
+    _half(r1, "run", seq, _x(4.0), out1)
+    _half(r0, "finish", seq, _x(3.0), out0)
+    assert float(out0[0]) == float(out1[0]) == 7.0
+
+
 def test_abort_is_seen_by_the_peer_and_the_next_call_works():
     r0, r1 = _pair(2, False)
     try:
-        out0, out1 = torch.empty(N, dtype=torch.bfloat16), torch.empty(N, dtype=torch.bfloat16)
+        out1 = torch.empty(N, dtype=torch.bfloat16)
         with pytest.raises(
             _native.transport().PeerTimeoutError, match="call 1 .scatter. waiting for rank.s. 1"
         ):
@@ -118,10 +127,7 @@ def test_abort_is_seen_by_the_peer_and_the_next_call_works():
             _native.transport().PeerAbortedError, match="rank 0 aborted all-reduce call 1"
         ):
             _half(r1, "run", 1, _x(1.0), out1)
-        _half(r0, "send", 2, _x(3.0), out0)
-        _half(r1, "run", 2, _x(4.0), out1)
-        _half(r0, "finish", 2, _x(3.0), out0)
-        assert float(out0[0]) == float(out1[0]) == 7.0
+        _good_call(r0, r1, 2)
     finally:
         r0.close()
         r1.close()
@@ -149,10 +155,7 @@ def test_an_aborted_call_ends_only_when_every_peer_has_begun_it():
         ):
             _half(r0, "run", 2, _x(1.0), out0)
         r1.abort(2, 5.0)  # rank 0 has begun call 2 now: returns at once
-        _half(r0, "send", 3, _x(3.0), out0)
-        _half(r1, "run", 3, _x(4.0), out1)
-        _half(r0, "finish", 3, _x(3.0), out0)
-        assert float(out0[0]) == float(out1[0]) == 7.0
+        _good_call(r0, r1, 3)
     finally:
         r0.close()
         r1.close()

@@ -379,23 +379,28 @@ def _check_send_side(case: C.Case, step: int, rank: int, o: Out, exp_all) -> Non
         assert torch.equal(send_token[d, : mine.numel()], mine), f"send_token[{d}]"
 
 
-def _check_rows_step(case: C.Case, kind: str, raw: bool, step: int, rank: int, o: Out) -> None:
-    w, m, h, k = case.world, case.max_tokens, case.hidden, case.num_topk
-    dtype = C.DTYPES[case.dtype][0]
-    exp_all = C.expected(case, step)
-    exp = exp_all[rank]
-    t = C.tokens(case, rank)
-    ll = kind in ("ll_rows", "graph_rows")
-    n = w * m if ll else exp.x.shape[0]
-    b = {
+def _rows_outputs(case: C.Case, rank: int, o: Out, n: int) -> dict:
+    """The rows layout's per-row outputs of a dispatch (n rows) as the emulator wrote them."""
+    w, k = case.world, case.num_topk
+    return {
         "counts": o("counts", torch.int32, w),
         "src_rank": o("src_rank", torch.int32, n),
         "src_token": o("src_token", torch.int32, n),
         "ids_o": o("ids_o", torch.int32, n, k),
         "ws_o": o("ws_o", torch.float32, n, k),
         "per_expert": o("per_expert", torch.int32, C.placement(case).num_local_experts(rank)),
-        "out": o("out", dtype, t, h),
     }
+
+
+def _check_rows_step(case: C.Case, kind: str, raw: bool, step: int, rank: int, o: Out) -> None:
+    w, m, h = case.world, case.max_tokens, case.hidden
+    dtype = C.DTYPES[case.dtype][0]
+    exp_all = C.expected(case, step)
+    exp = exp_all[rank]
+    t = C.tokens(case, rank)
+    ll = kind in ("ll_rows", "graph_rows")
+    n = w * m if ll else exp.x.shape[0]
+    b = {**_rows_outputs(case, rank, o, n), "out": o("out", dtype, t, h)}
     if raw:
         b["fp8"] = o("fp8", torch.uint8, n, h)
         b["scales"] = o("scales", torch.float32, n, h // 128)
@@ -432,14 +437,7 @@ def _check_two_in_flight(case: C.Case, raw: bool, step: int, rank: int, o: Out) 
     w, m, h, k = case.world, case.max_tokens, case.hidden, case.num_topk
     n = w * m
     dtype = C.DTYPES[case.dtype][0]
-    b = {
-        "counts": o("counts", torch.int32, w),
-        "src_rank": o("src_rank", torch.int32, n),
-        "src_token": o("src_token", torch.int32, n),
-        "ids_o": o("ids_o", torch.int32, n, k),
-        "ws_o": o("ws_o", torch.float32, n, k),
-        "per_expert": o("per_expert", torch.int32, C.placement(case).num_local_experts(rank)),
-    }
+    b = _rows_outputs(case, rank, o, n)
     payload = ("fp8", torch.uint8) if raw else ("xo", dtype)
     b[payload[0]] = o(payload[0], payload[1], n, h)
     if raw:
@@ -850,7 +848,7 @@ MUTATIONS = [
         ("kernels_recv.cu",),
     ),
     # the expert-major warp scan adds every shuffled value (lanes below the offset too)
-    ("kernels_recv.cu", "if (lane >= o) incl += v;", "incl += v;", "w1_bf16"),
+    ("kernel_common.cuh", "if (lane >= o) incl += v;", "incl += v;", "w1_bf16"),
     # expert-major: a source's rows placed after its own rows instead of the earlier sources'
     (
         "kernels_recv.cu",

@@ -72,6 +72,44 @@ __device__ __forceinline__ uint8_t* combine_slot(const KernelContext& k, uint8_t
   return base + k.seg.combine_off + slot_offset(k.cfg, parity, src, j, k.seg.combine_slot);
 }
 
+// Entry kk of a received dispatch slot's routing: (expert, weight), or (-1, 0) past the
+// row's count or for an id outside [0, E) (the receive paths treat both as "no entry").
+__device__ __forceinline__ void slot_route(const KernelContext& k, const uint8_t* slot, int kk,
+                                           int E, int32_t* e, float* w) {
+  *e = -1;
+  *w = 0.0f;
+  if (kk >= reinterpret_cast<const int32_t*>(slot)[1]) return;
+  const int32_t id = reinterpret_cast<const int32_t*>(slot + k.slot.experts_off)[kk];
+  if (id < 0 || id >= E) return;
+  *e = id;
+  *w = reinterpret_cast<const float*>(slot + k.slot.weights_off)[kk];
+}
+
+// Expert-major positions, one warp, lane l on row jb + l (rows at or past `end` hold
+// nothing): each entry of expert e in these rows gets base + its rank among e's entries in
+// (row, k) order (an inclusive warp scan of the rows' hit counts). Returns how many entries
+// of e the 32 rows hold (the same in every lane). A row lists e at most once (the sender
+// skips repeats); the scan would still give a repeat its own position.
+__device__ __forceinline__ int place_expert_entries(const int32_t* row_experts, int32_t* expert_pos,
+                                                    int64_t row0, int jb, int end, int K, int e,
+                                                    int base, int lane) {
+  const int j = jb + lane;
+  int hits = 0;
+  if (j < end)
+    for (int kk = 0; kk < K; ++kk) hits += row_experts[(row0 + j) * K + kk] == e;
+  int incl = hits;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int v = __shfl_up_sync(kFull, incl, o);
+    if (lane >= o) incl += v;
+  }
+  int p = base + incl - hits;
+  if (hits > 0)
+    for (int kk = 0; kk < K; ++kk)
+      if (row_experts[(row0 + j) * K + kk] == e) expert_pos[(row0 + j) * K + kk] = p++;
+  return __shfl_sync(kFull, incl, 31);
+}
+
 // Entry kk of a token's expert list, or -1: -1 itself, an id outside [-1, E) and a repeat
 // of an earlier entry of the same token are skipped (the Buffer's host check refuses
 // them; the device path records kBadInput instead, through *bad).

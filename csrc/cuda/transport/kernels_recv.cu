@@ -230,43 +230,21 @@ __global__ void __launch_bounds__(kThreads)
         const int j = idx / K, kk = idx % K;
         int32_t e = -1;
         float w = 0.0f;
-        if (j < n) {
-          const uint8_t* slot =
-              pull::recv_slot(k, kDispatchRegion, static_cast<int>(t.parity), s, j);
-          const int32_t ne = reinterpret_cast<const int32_t*>(slot)[1];
-          if (kk < ne) {
-            e = reinterpret_cast<const int32_t*>(slot + k.slot.experts_off)[kk];
-            if (e < 0 || e >= E) e = -1;
-            if (e >= 0) w = reinterpret_cast<const float*>(slot + k.slot.weights_off)[kk];
-          }
-        }
+        if (j < n)
+          slot_route(k, pull::recv_slot(k, kDispatchRegion, static_cast<int>(t.parity), s, j), kk,
+                     E, &e, &w);
         row_experts[(row0 + j) * K + kk] = e;
         row_weights[(row0 + j) * K + kk] = w;
         expert_pos[(row0 + j) * K + kk] = -1;
       }
       __syncthreads();
       // Position of each (row j, slot k) of expert e among source s's entries of e, in (j, k)
-      // order: a warp scan over rows of the entries per row. A row lists e at most once (the
-      // sender skips repeats); the scan would still give a repeat its own position.
+      // order, 32 rows per step.
       for (int e = warp; e < E; e += kWarps) {
         int running = 0;
-        for (int jb = 0; jb < n; jb += 32) {
-          const int j = jb + lane;
-          int hits = 0;
-          if (j < n)
-            for (int kk = 0; kk < K; ++kk) hits += row_experts[(row0 + j) * K + kk] == e;
-          int incl = hits;
-#pragma unroll
-          for (int o = 1; o < 32; o <<= 1) {
-            const int v = __shfl_up_sync(kFull, incl, o);
-            if (lane >= o) incl += v;
-          }
-          int p = running + incl - hits;
-          if (hits > 0)
-            for (int kk = 0; kk < K; ++kk)
-              if (row_experts[(row0 + j) * K + kk] == e) expert_pos[(row0 + j) * K + kk] = p++;
-          running += __shfl_sync(kFull, incl, 31);
-        }
+        for (int jb = 0; jb < n; jb += 32)
+          running +=
+              place_expert_entries(row_experts, expert_pos, row0, jb, n, K, e, running, lane);
         if (lane == 0) cnt_ws[e * W + s] = running;
       }
       __threadfence();  // this thread's metadata before the mirror (all threads fence)

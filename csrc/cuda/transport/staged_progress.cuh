@@ -312,35 +312,17 @@ __device__ __forceinline__ void em_count_staged(const KernelContext& k, const Ca
     if (bad_sh) break;
     for (int idx = threadIdx.x; idx < (j1 - j0) * K; idx += blockDim.x) {
       const int j = j0 + idx / K, kk = idx % K;
-      const uint8_t* slot = dispatch_slot(k, base, parity, s, j);
-      int32_t e = -1;
-      float w = 0.0f;
-      if (kk < reinterpret_cast<const int32_t*>(slot)[1]) {
-        e = reinterpret_cast<const int32_t*>(slot + k.slot.experts_off)[kk];
-        if (e < 0 || e >= E) e = -1;
-        if (e >= 0) w = reinterpret_cast<const float*>(slot + k.slot.weights_off)[kk];
-      }
+      int32_t e;
+      float w;
+      slot_route(k, dispatch_slot(k, base, parity, s, j), kk, E, &e, &w);
       row_experts[(row0 + j) * K + kk] = e;
       row_weights[(row0 + j) * K + kk] = w;
       expert_pos[(row0 + j) * K + kk] = -1;
     }
     __syncthreads();
     for (int e = warp; e < E; e += kWarps) {  // lane l: row j0 + l
-      const int j = j0 + lane;
-      int hits = 0;
-      if (j < j1)
-        for (int kk = 0; kk < K; ++kk) hits += row_experts[(row0 + j) * K + kk] == e;
-      int incl = hits;
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const int v = __shfl_up_sync(kFull, incl, o);
-        if (lane >= o) incl += v;
-      }
-      int p = running[e] + incl - hits;
-      if (hits > 0)
-        for (int kk = 0; kk < K; ++kk)
-          if (row_experts[(row0 + j) * K + kk] == e) expert_pos[(row0 + j) * K + kk] = p++;
-      const int total = __shfl_sync(kFull, incl, 31);
+      const int total =
+          place_expert_entries(row_experts, expert_pos, row0, j0, j1, K, e, running[e], lane);
       if (lane == 0) running[e] += total;
     }
     __threadfence();  // the chunk's metadata before its progress word
