@@ -1,45 +1,21 @@
 #include "core/allreduce_shm.h"
 
-#include <sched.h>
-#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <cerrno>
 #include <chrono>
 #include <cstring>
-#include <fstream>
-#include <thread>
 
 #include "core/allreduce_math.h"
 #include "core/exception.h"
+#include "core/peer_wait.h"
 #include "core/shm_segment.h"
 
 namespace pa2a::ar {
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
-// A peer that exited is gone or a zombie (the same test as the dispatch transport's).
-bool process_alive(int32_t pid) {
-  if (pid <= 0) return true;
-  if (::kill(pid, 0) != 0 && errno == ESRCH) return false;
-  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
-  std::string line;
-  if (!std::getline(stat, line)) return true;
-  const size_t close = line.rfind(')');
-  if (close == std::string::npos || close + 2 >= line.size()) return true;
-  const char state = line[close + 2];
-  return state != 'Z' && state != 'X';
-}
-
-inline void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield");
-#endif
-}
+using wait::Clock;
+using wait::process_alive;
 
 const char* phase_name(int phase) {
   return phase == kScatter ? "scatter" : phase == kGather ? "gather" : "end barrier";
@@ -237,11 +213,10 @@ bool ShmAllReduce::wait_phase(int phase, uint32_t seq, int block, uint32_t tag, 
   got[rank_] = true;
   int32_t remaining = W - 1, aborter = -1;
   std::string problem;
-  const auto start = Clock::now();
-  const auto deadline =
-      start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
+  wait::Backoff backoff;
+  const auto start = backoff.start();
+  const auto deadline = wait::deadline_after(start, timeout_s);
   auto next_liveness = start + std::chrono::milliseconds(50);
-  int64_t sleep_us = 1;
   for (;;) {
     for (int32_t s = 0; s < W; ++s) {
       if (got[s]) continue;
@@ -287,15 +262,7 @@ bool ShmAllReduce::wait_phase(int phase, uint32_t seq, int block, uint32_t tag, 
                    "or skipped a call");
       next_liveness = now + std::chrono::milliseconds(50);
     }
-    const auto waited = now - start;
-    if (waited < std::chrono::microseconds(20)) {
-      for (int i = 0; i < 64; ++i) cpu_relax();
-    } else if (waited < std::chrono::milliseconds(2)) {
-      sched_yield();
-    } else {
-      std::this_thread::sleep_for(std::chrono::microseconds(sleep_us));
-      sleep_us = sleep_us < 200 ? sleep_us * 2 : 200;
-    }
+    backoff.pause(now);
   }
 }
 
