@@ -2,15 +2,15 @@
 
 #include <unistd.h>
 
-#include <cstring>
-
 #include "core/exception.h"
 #include "cuda/common/cuda_check.cuh"
+#include "cuda/common/ipc.cuh"
 
 namespace pa2a::ar {
 
 using cuda::check_launch;
 using cuda::DeviceGuard;
+using cuda::open_ipc_handle;
 
 namespace {
 
@@ -102,22 +102,9 @@ void CudaAllReduce::open_peers(const std::vector<std::string>& handles,
       base_[r] = reinterpret_cast<uint8_t*>(local[r]);
       continue;
     }
-    PA2A_CHECK_ARG(handles[r].size() == sizeof(cudaIpcMemHandle_t), "rank ", r,
-                   "'s IPC handle has ", handles[r].size(), " bytes, expected ",
-                   sizeof(cudaIpcMemHandle_t));
-    cudaIpcMemHandle_t h;
-    std::memcpy(&h, handles[r].data(), sizeof(h));
-    void* p = nullptr;
-    const cudaError_t err = cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess);
-    if (err != cudaSuccess) {
-      (void)cudaGetLastError();
-      PA2A_THROW(kPeer, "rank ", rank_, " cannot open rank ", r,
-                 "'s all-reduce segment through CUDA IPC: ", cudaGetErrorName(err), ": ",
-                 cudaGetErrorString(err),
-                 " (no P2P between these GPUs? the group then needs NCCL)");
-    }
-    ipc_opened_[r] = p;
-    base_[r] = static_cast<uint8_t*>(p);
+    ipc_opened_[r] = open_ipc_handle(handles[r], rank_, r, "all-reduce segment",
+                                     "no P2P between these GPUs? the group then needs NCCL");
+    base_[r] = static_cast<uint8_t*>(ipc_opened_[r]);
   }
   opened_ = true;
 }

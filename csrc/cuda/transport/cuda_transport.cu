@@ -8,13 +8,13 @@
 #include <cerrno>
 #include <chrono>
 #include <cstddef>
-#include <cstring>
 #include <thread>
 
 #include "core/dispatch_layout.h"
 #include "core/exception.h"
 #include "core/numa_memory.h"
 #include "cuda/common/cuda_check.cuh"
+#include "cuda/common/ipc.cuh"
 
 namespace pa2a::cuda {
 namespace {
@@ -346,22 +346,11 @@ void CudaTransport::open_peers(const std::vector<std::string>& handles,
 
 // Rank r's device segment mapped here (once; closed by close_imports).
 void* CudaTransport::open_ipc(int32_t r, const std::string& handle) {
-  if (ipc_opened_[r] != nullptr) return ipc_opened_[r];
-  PA2A_CHECK_ARG(handle.size() == sizeof(cudaIpcMemHandle_t), "rank ", r, "'s IPC handle has ",
-                 handle.size(), " bytes, expected ", sizeof(cudaIpcMemHandle_t));
-  cudaIpcMemHandle_t h;
-  std::memcpy(&h, handle.data(), sizeof(h));
-  void* p = nullptr;
-  const cudaError_t err = cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess);
-  if (err != cudaSuccess) {
-    (void)cudaGetLastError();
-    PA2A_THROW(kPeer, "rank ", rank_, " cannot open rank ", r,
-               "'s device segment through CUDA IPC: ", cudaGetErrorName(err), ": ",
-               cudaGetErrorString(err),
-               " (peer access unsupported? force host staging with PCIE_A2A_P2P=0)");
-  }
-  ipc_opened_[r] = p;
-  return p;
+  if (ipc_opened_[r] == nullptr)
+    ipc_opened_[r] =
+        open_ipc_handle(handle, rank_, r, "device segment",
+                        "peer access unsupported? force host staging with PCIE_A2A_P2P=0");
+  return ipc_opened_[r];
 }
 
 void CudaTransport::open_local(const std::vector<CudaTransport*>& peers,
