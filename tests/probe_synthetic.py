@@ -16,10 +16,15 @@ and compares them exactly; ``faults`` corrupts chosen transfers.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import functools
 import random
+import shutil
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -317,8 +322,9 @@ BOXES = {
 
 
 def synthetic_record(name: str, fixtures) -> str:
-    """The committed fixture tests/fixtures/probe/<name>.synthetic-probe.json, made by
-    running the real probe pipeline on the box model (seed 0, a clean environment)."""
+    """The probe record of box ``name``: the real probe pipeline run on the box model (seed 0,
+    a clean environment), as JSON. Made at test time, never committed: the tests check its
+    properties against the published numbers the box model is built from, not a copy of it."""
     from pcie_a2a.topology.diagnosis import diagnose
     from pcie_a2a.topology.probe_run import ProbeSettings, finish, run_probe
 
@@ -330,3 +336,19 @@ def synthetic_record(name: str, fixtures) -> str:
     aligned = probe.aligned_to([g.bus_id for g in box.topo.gpus])
     probe = finish(probe, box.topo, diagnose(box.topo, aligned), PlanOptions(default_link_gen=5))
     return probe.to_json()
+
+
+_RECORD_DIR: list[Path] = []
+
+
+@functools.cache
+def synthetic_probe_file(name: str, fixtures) -> Path:
+    """``synthetic_record(name)`` written once per process to a temporary directory (removed
+    at exit), for the code paths that take a probe file (``PCIE_A2A_PROBE_FILE``,
+    ``--probe-file``, ``load_probe``)."""
+    if not _RECORD_DIR:
+        _RECORD_DIR.append(Path(tempfile.mkdtemp(prefix="pcie_a2a-synthetic-probe-")))
+        atexit.register(shutil.rmtree, _RECORD_DIR[0], True)
+    path = _RECORD_DIR[0] / f"{name}.synthetic-probe.json"
+    path.write_text(synthetic_record(name, fixtures))
+    return path

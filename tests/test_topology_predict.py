@@ -22,9 +22,9 @@ from pcie_a2a.topology import (
 from pcie_a2a.topology.predict import format_predictions, predict
 from pcie_a2a.topology.probe import PairMeasurement, Probe
 from pcie_a2a.topology.sources import load_with_probe
-from topology_fixtures import FIXTURES, VENDORED
+from probe_synthetic import synthetic_probe_file
+from topology_fixtures import FIXTURES
 
-PROBES = VENDORED.parent / "probe"
 
 # (label, topology file, probe file or None, PCIe generation, cpu, switch vendor, P2P off)
 # Generations and vendors from each fixture's `# platform:` header.
@@ -59,8 +59,11 @@ def box_prediction(name, probe_file, gen, cpu, switch, p2p_off):
         topo = topo.with_p2p(P2PStatus.DISABLED)
     probe = measured
     if probe_file:
-        base = PROBES.parent if probe_file.startswith("probe/") else FIXTURES
-        probe = load_probe(str(base / probe_file))
+        if probe_file.startswith("probe/"):  # made by the probe pipeline at test time
+            path = synthetic_probe_file(probe_file.split("/")[1].split(".")[0], FIXTURES)
+        else:
+            path = FIXTURES / probe_file
+        probe = load_probe(str(path))
     pred = predict(topo, PlanOptions(probe=probe, default_link_gen=gen))
     label = name.split(".")[0] + (
         f" + {probe_file.split('/')[-1].split('.', 1)[1]}" if probe_file else ""
