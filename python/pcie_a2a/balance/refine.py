@@ -4,15 +4,13 @@ between the rank that sets the measure and any other."""
 from __future__ import annotations
 
 from math import comb
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
 from .islands import Islands
 from .layout import nearest_fractions, replica_table
-
-if TYPE_CHECKING:
-    from .algorithm import Options
+from .options import Options
 
 
 class _Swaps(NamedTuple):

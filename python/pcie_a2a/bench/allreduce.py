@@ -290,16 +290,16 @@ def plot(path: Path, results: list[dict], title: str) -> str | None:
 def main(args: argparse.Namespace) -> int:
     import os
 
-    from pcie_a2a.bench import cli, report, runner
+    from pcie_a2a.bench import report, runner
 
     torchrun = runner.under_torchrun()
     cfg = resolve(args, int(os.environ["WORLD_SIZE"]) if torchrun else None)
-    js, png = cli.outputs(args, "bench-allreduce")
+    js, png = report.outputs(args, "bench-allreduce")
     load_start = report.load()
     results, errors = [], []
     for world in cfg["worlds"]:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if torchrun else world
-        plan = cli.device_plan(cfg["backend"], local_world)
+        plan = device.device_plan(cfg["backend"], local_world)
         wcfg = cfg | {
             "pg_backend": plan.pg_backend,
             "device_count": plan.device_count,
@@ -341,7 +341,7 @@ def main(args: argparse.Namespace) -> int:
     doc = {
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "op": "allreduce",
-        "command": cli.command(),
+        "command": report.command(),
         "machine": mach,
         "config": cfg,
         "crossover": cross,

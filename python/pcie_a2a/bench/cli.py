@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import sys
 import time
-from pathlib import Path
 
 from pcie_a2a.bench import arms, device
 from pcie_a2a.bench.routing import ROUTINGS, RoutingSpec, check_spec
@@ -219,46 +217,6 @@ def resolve(args: argparse.Namespace, world: int) -> dict:
     }
 
 
-def device_plan(backend: str, local_world: int) -> device.Plan:
-    """Where the ranks run; exits 2 with one line when ``--backend cuda`` cannot run here
-    (checked after the other options, so a bad option is reported first)."""
-    if backend == "cpu":
-        return device.plan("cpu", 0, local_world)
-    why = device.cuda_unusable()
-    if why:  # one line, no traceback: the usual answer on a box without a GPU
-        print(
-            f"pcie-a2a bench: error: --backend: got 'cuda', which cannot run here ({why}); "
-            "allowed here: cpu",
-            file=sys.stderr,
-        )
-        raise SystemExit(2)
-    import torch
-
-    return device.plan("cuda", torch.cuda.device_count(), local_world)
-
-
-def outputs(args, stem: str = "bench") -> tuple[Path, Path | None]:
-    """The JSON and PNG paths (--json/--plot, else bench_results/<stem>-<time>.*)."""
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    js = Path(args.json) if args.json else Path("bench_results") / f"{stem}-{stamp}.json"
-    if args.plot and args.plot.lower() == "none":
-        return js, None
-    return js, Path(args.plot) if args.plot else Path("bench_results") / f"{stem}-{stamp}.png"
-
-
-_outputs = outputs
-
-
-def command() -> str:
-    argv = sys.argv[1:]
-    if "bench" in argv:  # pcie-a2a bench ..., python -m pcie_a2a bench ...
-        argv = argv[argv.index("bench") + 1 :]
-    return " ".join(["pcie-a2a", "bench", *(shlex.quote(a) for a in argv)])
-
-
-_command = command
-
-
 def main(args: argparse.Namespace) -> int:
     if args.op == "allreduce":
         from pcie_a2a.bench import allreduce
@@ -271,14 +229,14 @@ def main(args: argparse.Namespace) -> int:
     cfg = resolve(args, world)
     # ranks on this machine: the GPUs they share are this machine's
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if torchrun else world
-    plan = device_plan(args.backend, local_world)
+    plan = device.device_plan(args.backend, local_world)
     cfg |= {
         "pg_backend": plan.pg_backend,
         "device_count": plan.device_count,
         "local_world": local_world,
         "baselines_na": plan.baselines_na,
     }
-    js, png = _outputs(args)
+    js, png = report.outputs(args)
     error = None
     load_start = report.load()
     try:
@@ -315,7 +273,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"pcie-a2a bench: {name}: not run: {why}", file=sys.stderr)
     doc = {
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "command": _command(),
+        "command": report.command(),
         "machine": mach,
         "config": cfg,
         "ag_rs_reduce": raw["ag_rs_reduce"],

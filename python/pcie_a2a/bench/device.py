@@ -14,6 +14,7 @@ are tested without a GPU (tests/test_bench_cuda_args.py):
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -106,3 +107,21 @@ def gpu_info() -> dict:
         "cuda": torch.version.cuda,
         "nccl": nccl,
     }
+
+
+def device_plan(backend: str, local_world: int) -> Plan:
+    """Where the ranks run; exits 2 with one line when ``--backend cuda`` cannot run here
+    (checked after the other options, so a bad option is reported first)."""
+    if backend == "cpu":
+        return plan("cpu", 0, local_world)
+    why = cuda_unusable()
+    if why:  # one line, no traceback: the usual answer on a box without a GPU
+        print(
+            f"pcie-a2a bench: error: --backend: got 'cuda', which cannot run here ({why}); "
+            "allowed here: cpu",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
+    import torch
+
+    return plan("cuda", torch.cuda.device_count(), local_world)

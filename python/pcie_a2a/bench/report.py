@@ -6,6 +6,9 @@ import contextlib
 import json
 import os
 import platform
+import shlex
+import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -318,3 +321,19 @@ def plot(path: Path, summary: list[dict], title: str) -> str | None:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return None
+
+
+def outputs(args, stem: str = "bench") -> tuple[Path, Path | None]:
+    """The JSON and PNG paths (--json/--plot, else bench_results/<stem>-<time>.*)."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    js = Path(args.json) if args.json else Path("bench_results") / f"{stem}-{stamp}.json"
+    if args.plot and args.plot.lower() == "none":
+        return js, None
+    return js, Path(args.plot) if args.plot else Path("bench_results") / f"{stem}-{stamp}.png"
+
+
+def command() -> str:
+    argv = sys.argv[1:]
+    if "bench" in argv:  # pcie-a2a bench ..., python -m pcie_a2a bench ...
+        argv = argv[argv.index("bench") + 1 :]
+    return " ".join(["pcie-a2a", "bench", *(shlex.quote(a) for a in argv)])

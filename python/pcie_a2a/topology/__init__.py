@@ -15,7 +15,7 @@ from .live import cuda_peer_matrix, discover, nvml_info
 from .model import Gpu, Nic, NumaNode, P2PStatus, RootPort, Switch, Topology, class_rank
 from .nccl_xml import parse_xml
 from .nvidia_smi import parse_p2p_matrix, parse_topo
-from .p2p_test import parse_p2p_test
+from .p2p_bandwidth import parse_p2p_test
 from .planner import (
     Link,
     PairPlan,
@@ -37,11 +37,10 @@ from .probe import (
     Probe,
     ProbeGateError,
     ProbeUnavailable,
-    load_probe,
 )
 from .render import format_plan, format_tree
 from .roots import with_vendor_hints
-from .sources import current, current_with_probe, load, parse
+from .sources import current, current_with_probe, load, load_probe, parse
 from .staging import alloc_staging
 
 __all__ = [

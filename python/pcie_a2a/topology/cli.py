@@ -13,10 +13,10 @@ from .errors import TopologyError
 from .live import discover
 from .planner import PlanOptions, expected_distinct_ranks, kimi_k2_decode, plan
 from .predict import PAYLOADS, format_predictions, predict
-from .probe import ProbeGateError, ProbeUnavailable, load_probe
+from .probe import ProbeGateError, ProbeUnavailable
 from .render import format_plan, format_tree
 from .roots import with_vendor_hints
-from .sources import current_with_probe, load_with_probe
+from .sources import current_with_probe, load_probe, load_with_probe
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:

@@ -55,6 +55,18 @@ def nvlink_count(cls: str) -> int:
     return int(cls[2:]) if is_nvlink(cls) else 0
 
 
+def normalise_bus_id(bus_id: str) -> str:
+    """``0000:41:00.0`` form, lower case (torch and NVML print 8-digit domains)."""
+    text = bus_id.strip().lower()
+    parts = text.split(":")
+    if len(parts) == 3:
+        domain = parts[0][-4:].rjust(4, "0")
+        return f"{domain}:{parts[1]}:{parts[2]}"
+    if len(parts) == 2:
+        return f"0000:{parts[0]}:{parts[1]}"
+    return text
+
+
 def class_rank(cls: str) -> int:
     """0 (NVLink) .. 5 (SYS): larger is farther apart."""
     if is_nvlink(cls):

@@ -25,7 +25,7 @@ Per pair (fields that a source does not give stay None):
 Sources: our JSON (``pcie_a2a.probe``: version 1, pairs only; version 2, written by
 ``pcie-a2a probe``, adds the patterns, the raw samples they were derived from, the
 machine's identity and fingerprint, the plan's decisions and the diagnosis) and
-p2pBandwidthLatencyTest output (:mod:`.p2p_test`).
+p2pBandwidthLatencyTest output (:mod:`.p2p_bandwidth`).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import TopologyError, parse_error
+from .model import normalise_bus_id
 
 FORMAT = "pcie_a2a.probe"
 VERSION = 2
@@ -237,8 +238,6 @@ class Probe:
         them (the probing process saw CUDA's order, which CUDA_DEVICE_ORDER and
         CUDA_VISIBLE_DEVICES change); otherwise index i is GPU i. Raises TopologyError when
         the probe measured a GPU the topology does not have."""
-        from .ranks import normalise_bus_id
-
         ids = [g.bus_id for g in self.gpus]
         if not self.gpus or None in ids or None in bus_ids:
             n = len(bus_ids)
@@ -272,17 +271,6 @@ class Probe:
             ),
             gpus=tuple(dataclasses.replace(g, index=mapping[g.index]) for g in self.gpus),
         )
-
-
-def load_probe(path: str) -> Probe:
-    """A probe from a file: our JSON (version 1 or 2) or p2pBandwidthLatencyTest output."""
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    if text.lstrip().startswith("{"):
-        return Probe.from_json(text, path)
-    from .p2p_test import parse_p2p_test
-
-    return parse_p2p_test(text, path)
 
 
 class ProbeUnavailable(RuntimeError):

@@ -18,14 +18,13 @@ from pathlib import Path
 
 from .. import env
 from .errors import TopologyError
+from .model import normalise_bus_id
 from .probe import GpuIdentity, Probe
 
 
 def fingerprint(gpus: Sequence[GpuIdentity], driver: str | None) -> str:
     """16 hex digits naming the machine: its GPUs (bus id, UUID; in bus id order, so the
     device order of the probing process does not matter) and the driver version."""
-    from .ranks import normalise_bus_id
-
     items = sorted((normalise_bus_id(g.bus_id or ""), g.uuid or "") for g in gpus)
     doc = json.dumps({"gpus": items, "driver": driver or ""}, sort_keys=True)
     return hashlib.sha256(doc.encode()).hexdigest()[:16]

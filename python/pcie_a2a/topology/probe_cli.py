@@ -17,8 +17,9 @@ from .errors import TopologyError
 from .model import Topology
 from .planner import PlanOptions, plan
 from .predict import format_predictions, predict
-from .probe import Probe, ProbeGateError, ProbeUnavailable, load_probe
+from .probe import Probe, ProbeGateError, ProbeUnavailable
 from .render import format_plan
+from .sources import load_probe
 
 _COLUMNS = (
     ("store", "store_gbps"),

@@ -27,9 +27,8 @@ from typing import Any, Protocol
 
 from . import probe_cache
 from .calibration import concurrent_patterns, derive
-from .model import Topology
+from .model import Topology, normalise_bus_id
 from .probe import MODES, GpuIdentity, Probe, ProbeGateError, ProbeUnavailable
-from .ranks import normalise_bus_id
 
 LATENCY_MODES = ("store", "load", "ce", "staged")
 MIN_PAIR_BYTES = 4 << 20

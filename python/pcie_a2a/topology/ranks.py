@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .model import Topology
+from .model import Topology, normalise_bus_id
 from .planner import P2P, Plan
 
 
@@ -71,18 +71,6 @@ class RankPlan:
                 if s != d
             ],
         }
-
-
-def normalise_bus_id(bus_id: str) -> str:
-    """``0000:41:00.0`` form, lower case (torch and NVML print 8-digit domains)."""
-    text = bus_id.strip().lower()
-    parts = text.split(":")
-    if len(parts) == 3:
-        domain = parts[0][-4:].rjust(4, "0")
-        return f"{domain}:{parts[1]}:{parts[2]}"
-    if len(parts) == 2:
-        return f"0000:{parts[0]}:{parts[1]}"
-    return text
 
 
 def match_ranks(topology: Topology, rank_bus_ids: Sequence[str]) -> tuple[list[int], str]:

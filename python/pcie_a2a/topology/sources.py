@@ -13,8 +13,8 @@ from .model import Topology
 from .nccl_log import topology_from_nccl_paths, topology_from_nccl_tests
 from .nccl_xml import parse_xml
 from .nvidia_smi import parse_topo
-from .p2p_test import p2p_test_topology
-from .probe import Probe, load_probe
+from .p2p_bandwidth import p2p_test_topology, parse_p2p_test
+from .probe import Probe
 from .text import body_lines
 
 # Markers that only these tools print; none of them occurs in `nvidia-smi topo -m` text, so
@@ -25,6 +25,15 @@ _P2P_TEST = re.compile(
 )
 _NCCL_INFO = re.compile(r"\bNCCL INFO\b")
 _NCCL_TESTS = re.compile(r"^#\s*Rank\s+\d+\s+.*\bdevice\s+\d+\s+\[|^#\s+size\s+count\s+type")
+
+
+def load_probe(path: str) -> Probe:
+    """A probe from a file: our JSON (version 1 or 2) or p2pBandwidthLatencyTest output."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    if text.lstrip().startswith("{"):
+        return Probe.from_json(text, path)
+    return parse_p2p_test(text, path)
 
 
 def _format(text: str) -> str:
