@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import sys
 
-import torch.distributed as dist
-
 from pcie_a2a import env
 
 DIRECTIONS = ("auto", "push", "pull")
@@ -50,6 +48,8 @@ def parse_directions(text: str) -> list[str]:
 def why_not_direction(buf, direction: str, group) -> str | None:
     """Why ``buf`` does not run ``direction`` on every pair it sends on (the same answer on
     every rank), or None."""
+    import torch.distributed as dist  # on the ranks only: the command line needs no torch
+
     why = None
     if direction != "auto":
         pairs = buf.stats()["decisions"]["pairs"]
@@ -67,6 +67,8 @@ def why_not_direction(buf, direction: str, group) -> str | None:
 def direction_buffers(make_buffer, directions: list[str], group):
     """``[(direction, Buffer)]`` for the forced directions that run, and ``{arm: why}``
     for those that do not (their Buffers already closed)."""
+    import torch.distributed as dist  # on the ranks only: the command line needs no torch
+
     built, unavailable = [], {}
     for d in directions:
         if d == "auto":

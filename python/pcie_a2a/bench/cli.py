@@ -16,7 +16,7 @@ import sys
 import time
 
 from pcie_a2a.bench import arms, device
-from pcie_a2a.bench.routing import ROUTINGS, RoutingSpec, check_spec
+from pcie_a2a.bench.routing_spec import ROUTINGS, RoutingSpec, check_spec
 
 PAYLOADS = ("bf16", "fp8")
 MODES = ("normal", "low_latency")

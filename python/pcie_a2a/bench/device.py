@@ -18,8 +18,10 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 BACKENDS = ("cpu", "cuda")
 
@@ -84,6 +86,7 @@ def make_clock(device: torch.device) -> Callable[[], int]:
     marks completed work, not work enqueued."""
     if device.type != "cuda":
         return time.perf_counter_ns
+    import torch
 
     def clock() -> int:
         torch.cuda.synchronize(device)
@@ -94,6 +97,8 @@ def make_clock(device: torch.device) -> Callable[[], int]:
 
 def gpu_info() -> dict:
     """GPU names, count and the CUDA/NCCL versions torch uses (for the report)."""
+    import torch
+
     count = torch.cuda.device_count()
     nccl = None
     try:

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pcie_a2a.moe.config import parse_config
+from pcie_a2a.moe.spec import parse_config
 
 PARTS = ("experts", "attention", "shared", "dense", "lm_head")
 # A representative checkpoint name per weight group, matched against the quantisation
