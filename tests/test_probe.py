@@ -302,10 +302,7 @@ def test_probe_without_gpus_exits_2(capsys, clean_env):
 
 def test_probe_file_prints_pairs_decisions_diagnosis_and_prediction(capsys, clean_env, tmp_path):
     out_file = tmp_path / "again.json"
-    assert (
-        cli("--probe-file", str(probe_file(BROADCOM)), "--out", str(out_file))
-        == 0
-    )
+    assert cli("--probe-file", str(probe_file(BROADCOM)), "--out", str(out_file)) == 0
     out = capsys.readouterr().out
     assert "  0->2   NODE   36.83" in out  # the pair table: kernel stores into one root complex
     assert "switch sw0 to 2 root complexes store" in out

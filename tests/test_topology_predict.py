@@ -25,7 +25,6 @@ from pcie_a2a.topology.sources import load_with_probe
 from probe_synthetic import synthetic_probe_file
 from topology_fixtures import FIXTURES
 
-
 # (label, topology file, probe file or None, PCIe generation, cpu, switch vendor, P2P off)
 # Generations and vendors from each fixture's `# platform:` header.
 BOXES = [
@@ -86,28 +85,6 @@ def test_every_fixture_box_has_a_sane_prediction(box):
     assert bf16.dispatch_mb == pytest.approx(fp8.dispatch_mb * 14336 / 7392)
 
 
-def test_l40s_by_hand():
-    """4x L40S, Gen4, no probe: NODE pairs P2P (25 GB/s, 0.45 us), SYS pairs host-staged
-    (13 GB/s, 14 us; the socket link's 50 GB/s shared by at most 2 staged flows is more).
-    Every one of the 3 rounds carries a staged flow, the slowest, so each lasts
-    14 us + bytes / 13 GB/s."""
-    topo = load(FIXTURES / "4x-l40s-dual-socket.topo.txt")
-    p = plan(topo, options=PlanOptions(default_link_gen=4))
-    assert all(any(p.pair(a, b).transport == "staged" for a, b in enumerate(r)) for r in p.rounds)
-    rows = 128 * (1 - math.comb(384 - 96, 8) / math.comb(384, 8))  # a token reaches a given rank
-    want = {
-        payload: 3 * (14 + rows * row / 13e3) + 3 * (14 + rows * 14336 / 13e3)
-        for payload, row in (("fp8", 7168 + 224), ("bf16", 14336))
-    }
-    got = predict(topo, PlanOptions(default_link_gen=4))
-    assert {r.payload: r.total_us for r in got.rows} == pytest.approx(want)
-    # The bound: each GPU's own link (Gen4 x16, 25 GB/s) carries its 3 outgoing flows; the
-    # socket link (50 GB/s) carries 4 flows each way, less.
-    bound = {p: 3 * rows * (r + 14336) / 25e3 for p, r in (("fp8", 7392), ("bf16", 14336))}
-    assert {r.payload: r.bound_us for r in got.rows} == pytest.approx(bound)
-    assert got.basis == "model" and got.staged_pairs == 8 and got.pull_pairs == 0
-
-
 def test_pull_pair_by_hand():
     """Two GPUs on one host bridge, measured: loads win in the all-to-all, so the pair
     pulls; 1 MB at the measured load rate after the ready flag (a store) and one read round
@@ -125,23 +102,58 @@ def test_pull_pair_by_hand():
     assert p.reports[0].predicted_us == pytest.approx(0.8 + 1.7 + 1e6 / 24e3)
 
 
+def l40s_by_hand() -> dict[str, tuple[float, float]]:
+    """4x L40S, Gen4, no probe: NODE pairs P2P (25 GB/s, 0.45 us), SYS pairs host-staged
+    (13 GB/s, 14 us; the socket link's 50 GB/s shared by at most 2 staged flows is more).
+    Every one of the 3 rounds carries a staged flow, the slowest, so each lasts
+    14 us + bytes / 13 GB/s. The bound: each GPU's own link (Gen4 x16, 25 GB/s) carries its
+    3 outgoing flows (the socket link, 50 GB/s with 4 flows each way, is less loaded).
+    {payload: (total us, bound us)}."""
+    rows = 128 * (1 - math.comb(384 - 96, 8) / math.comb(384, 8))  # a token reaches a given rank
+    return {
+        payload: (
+            3 * (14 + rows * row / 13e3) + 3 * (14 + rows * 14336 / 13e3),
+            3 * rows * (row + 14336) / 25e3,
+        )
+        for payload, row in (("fp8", 7168 + 224), ("bf16", 14336))
+    }
+
+
+def test_l40s_by_hand():
+    topo = load(FIXTURES / "4x-l40s-dual-socket.topo.txt")
+    p = plan(topo, options=PlanOptions(default_link_gen=4))
+    assert all(any(p.pair(a, b).transport == "staged" for a, b in enumerate(r)) for r in p.rounds)
+    got = predict(topo, PlanOptions(default_link_gen=4))
+    want = l40s_by_hand()
+    assert {r.payload: r.total_us for r in got.rows} == pytest.approx(
+        {k: v[0] for k, v in want.items()}
+    )
+    assert {r.payload: r.bound_us for r in got.rows} == pytest.approx(
+        {k: v[1] for k, v in want.items()}
+    )
+    assert got.basis == "model" and got.staged_pairs == 8 and got.pull_pairs == 0
+
+
 def test_topo_predict_prints_the_table(capsys):
+    """The command prints the hand-derived L40S floor (to its 0.1 us rounding), and refuses a
+    GPU count 384 experts do not split over."""
     import argparse
 
     from pcie_a2a.topology import cli
 
     parser = argparse.ArgumentParser()
     cli.add_parser(parser.add_subparsers(dest="command"))
-    name = "8x-rtxpro6000-dual-epyc9575f-broadcom-pex890xx.topo.txt"
-    args = parser.parse_args(["topo", "--from", str(FIXTURES / name), "--predict", "--link-gen", "5",
-                              "--cpu-vendor", "amd", "--switch-vendor", "broadcom"])  # fmt: skip
+    args = parser.parse_args(["topo", "--from", str(FIXTURES / "4x-l40s-dual-socket.topo.txt"),
+                              "--predict", "--link-gen", "4"])  # fmt: skip
     assert args.func(args) == 0
     out = capsys.readouterr().out.splitlines()
-    row = next(line for line in out if "broadcom-pex890xx" in line and " fp8 " in line)
-    fields = row.split()
-    assert fields[1:4] == ["8", "128", "model"] and fields[4] == "16"  # 16 pull pairs
-    want = box_prediction(name, None, 5, "amd", "broadcom", False).rows[0]
-    assert float(fields[-2]) == pytest.approx(want.total_us, abs=0.05)
+    for payload, (total, bound) in l40s_by_hand().items():
+        row = next(line for line in out if "4x-l40s-dual-socket" in line and f" {payload} " in line)
+        fields = row.split()
+        # GPUs, tokens, basis, pull pairs, host-staged pairs, copy-engine pairs
+        assert fields[1:7] == ["4", "128", "model", "0", "8", "0"], row
+        assert float(fields[-2]) == pytest.approx(total, abs=0.05)
+        assert float(fields[-1]) == pytest.approx(bound, abs=0.05)
     args = parser.parse_args(
         ["topo", "--from", str(FIXTURES / "5x-rtx50series-epyc-patched.topo-p2p.txt"), "--predict"]
     )

@@ -51,10 +51,6 @@ def is_nvlink(cls: str) -> bool:
     return cls.startswith("NV") and cls[2:].isdigit()
 
 
-def nvlink_count(cls: str) -> int:
-    return int(cls[2:]) if is_nvlink(cls) else 0
-
-
 def normalise_bus_id(bus_id: str) -> str:
     """``0000:41:00.0`` form, lower case (torch and NVML print 8-digit domains)."""
     text = bus_id.strip().lower()
