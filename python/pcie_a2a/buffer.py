@@ -113,8 +113,13 @@ class Buffer:
             scale per 128 channels, quantised by the sender).
         placement: a :class:`Placement`, or a list giving each expert's ``(rank, local)``
             (or a list of them for redundant copies). Default: contiguous blocks.
-        backend: ``"auto"`` (``PCIE_A2A_BACKEND``, else ``"cpu"``), ``"cpu"``, or ``"cuda"``
-            (explicit opt-in: the CUDA transport has not yet run on a GPU, see the README).
+        backend: ``"auto"`` (``PCIE_A2A_BACKEND``; else ``"cuda"`` when every rank has a
+            CUDA device and the build has the kernels, ``"cpu"`` when no rank has; decided
+            collectively), ``"cpu"``, or ``"cuda"``. A Buffer on CUDA runs a known-answer
+            dispatch + combine over every pair's path before it returns and raises on every
+            rank when a pair fails (``PCIE_A2A_SELFTEST=0`` skips it: unsafe). The CUDA
+            transport has not yet run on a GPU (see the README). On a GPU machine,
+            ``"auto"`` means CUDA tensors: pass ``"cpu"`` to move CPU tensors.
         timeout_s: per-call deadline; a peer that does not arrive raises PeerTimeoutError.
             Default: ``PCIE_A2A_TIMEOUT_S`` or 30 s.
         num_topk: largest top-k a call may pass (expert slots per row on the wire).
@@ -195,7 +200,7 @@ class Buffer:
             )
         # None: "auto" until the transport resolved it (see _bootstrap)
         self.pair_direction = _check_pair_direction(pair_direction, self.world)
-        self.backend = choose_backend(backend)
+        self.backend = choose_backend(backend, self._gather)  # collective: one verdict
         self.num_experts = num_experts
         self.hidden = hidden
         self.max_tokens_per_rank = max_tokens_per_rank
@@ -265,6 +270,8 @@ class Buffer:
         # Garbage collection and interpreter exit cannot close collectively: abandon()
         # releases what no peer can still write into and leaves the rest to the process exit.
         self._finalizer = weakref.finalize(self, transport.abandon)
+        # the self-test's calls came first: this Buffer's numbering continues after them
+        self._seq, self._dispatch_calls, self._combine_calls = transport.calls_made()
         self.pair_direction = tuple(tuple(r) for r in transport.pair_direction)  # resolved
         if transport.numa_warning:
             warnings.warn(f"pcie_a2a rank {self.rank}: {transport.numa_warning}", stacklevel=4)
