@@ -379,12 +379,16 @@ def _rank_self_test(rank: int, world: int, so: str) -> dict:
     import pcie_a2a
     from pcie_a2a.placement import Placement
     from pcie_a2a.transport.cuda import CudaTransport, selftest
+    from pcie_a2a.transport.memory import dispatch_slot_bytes, segment_bytes
 
     hooks = cuda_emu_module.install(Path(so))
     got = {}
     # world 1: the Buffer runs it before it returns (and numbers its calls after it)
     with pcie_a2a.Buffer(None, E, H, M, num_topk=K, backend="cuda") as buf:
         got["buffer_calls"] = buf._transport.calls_made()
+        mem = buf.memory_bytes()
+        assert mem["segment"] == buf._transport._native.segment_bytes, mem
+        assert mem["device"] == mem["segment"] and mem["host"] == 0, mem  # no staged peer
         got["buffer_stats_calls"] = buf.stats()["calls"]
     orig = CudaTransport.unpack_rows
 
@@ -422,6 +426,11 @@ def _rank_self_test(rank: int, world: int, so: str) -> dict:
             _corrupt(txs[0], 3, 1)  # 1 -> 0: P2P push
         elif fault == "silent_ll":
             _silent(txs[2], 3)
+        payload = "fp8" if fault == "fp8" else "bf16"
+        for t in txs:  # the memory formula is the allocator's (pulled pairs: the pull slots)
+            want = segment_bytes(3, H, 40, K, payload, with_pull=True, staged_progress=True)
+            assert t._native.segment_bytes == want, (t._native.segment_bytes, want)
+            assert t._native.dispatch_slot_bytes == dispatch_slot_bytes(H, K, payload)
         got[fault] = selftest.run_in_process(txs, placement, fault == "fp8", timeout_s=1.0)
         got[fault + "_phases"] = [p[0] for p in selftest._phases(txs[0])]
         txs[0].copy_engine_min_bytes = 4096  # a pair of >= 8 rows would take it

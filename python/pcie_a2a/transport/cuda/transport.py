@@ -517,6 +517,12 @@ class CudaTransport(Bootstrap, AsyncCalls, Transport):
         st = self._tx().stats()
         self._stats_base = ((list(st["total_rows"][0]), list(st["total_rows"][1])), st["calls"])
 
+    @property
+    def host_staged_peers(self) -> bool:
+        """Some peer reaches this rank through host memory (it has a pinned host segment)."""
+        plan = self.pair_transport
+        return any(plan[s][self.rank] == STAGED for s in range(self.world) if s != self.rank)
+
     def calls_made(self) -> tuple[int, int, int]:
         """(calls, dispatch calls, combine calls) this transport has made (the Buffer
         numbers its calls after the self-test's)."""
