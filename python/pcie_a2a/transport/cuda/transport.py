@@ -475,11 +475,12 @@ class CudaTransport(Bootstrap, AsyncCalls, Transport):
         num_tokens,
         out,
         *,
-        sync: bool | None = None,
+        sync: bool = False,
     ) -> None:
-        """sync (default: normal mode only) waits for the stream and raises a peer's
-        failure now; the low-latency combine leaves that to the next :meth:`check`."""
-        del seq, parity
+        """No host synchronisation: a peer's failure lands in the error word that the next
+        call's :meth:`check` raises (both modes; the combine's output is stream-ordered).
+        ``sync=True`` (the self-test) waits for the stream and raises it now."""
+        del seq, op, parity
         tx = self._tx()
         tx.combine_recv(
             _ptr(self._combine_ticket),
@@ -490,7 +491,7 @@ class CudaTransport(Bootstrap, AsyncCalls, Transport):
             float(timeout_s),
             self._stream(),
         )
-        if sync if sync is not None else op not in (_OP_LL_COMBINE,):
+        if sync:
             self._sync_stream()
             tx.check()
 
