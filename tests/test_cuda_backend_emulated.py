@@ -368,6 +368,20 @@ def _corrupt(t, op: int, src: int) -> None:
     t.unpack_rows = unpack
 
 
+def _corrupt_expert_major(t, src: int) -> None:
+    """The same damage in the expert-major receive: every row ``src`` delivers."""
+    orig = t.unpack_expert_major
+
+    def unpack(parity, counts, e_n, x_out, *rest):
+        orig(parity, counts, e_n, x_out, *rest)
+        layout_range = rest[4]
+        for e in range(e_n):
+            begin, count = int(layout_range[e, src]) >> 32, int(layout_range[e, src]) & 0xFFFFFFFF
+            x_out[e, begin : begin + count, 5] += 1
+
+    t.unpack_expert_major = unpack
+
+
 def _silent(t, op: int) -> None:
     """A rank whose rows of ``op`` never arrive anywhere."""
     orig = t.dispatch_send
@@ -407,7 +421,7 @@ def _rank_self_test(rank: int, world: int, so: str) -> dict:
         CudaTransport.unpack_rows = orig
     # three in-process ranks over P2P push, pull and host-staged pairs
     placement = Placement.contiguous(9, 3)
-    for fault in ("none", "staged_normal", "pull_ll", "push_ll", "silent_ll", "fp8"):
+    for fault in ("none", "staged_normal", "pull_ll", "push_ll", "staged_em", "silent_ll", "fp8"):
         txs = CudaTransport.in_process(
             3, H, 40, K, 2 if fault == "fp8" else 0, 0, placement, pair_transport=_ST_PLAN,
             pair_direction=_ST_DIR,
@@ -425,6 +439,8 @@ def _rank_self_test(rank: int, world: int, so: str) -> dict:
             _corrupt(txs[1], 3, 0)  # 0 -> 1: P2P pull
         elif fault == "push_ll":
             _corrupt(txs[0], 3, 1)  # 1 -> 0: P2P push
+        elif fault == "staged_em":
+            _corrupt_expert_major(txs[2], 0)  # 0 -> 2: host-staged, expert-major receive
         elif fault == "silent_ll":
             _silent(txs[2], 3)
         payload = "fp8" if fault == "fp8" else "bf16"
@@ -449,8 +465,9 @@ def test_self_test_passes_and_names_the_broken_pair(emu_so):
     a row damaged on one pair, in one mode, or a rank that never sends, fails it with the
     pair, its path and the ways out named."""
     got = run_ranks(1, _rank_self_test, emu_so, timeout=300)[0].unwrap()
-    phases = ["normal mode", "normal mode, copy-engine sized", "low-latency mode"]
-    assert got["none_phases"] == [phases[0], phases[2]], got["none_phases"]
+    phases = ["normal mode", "normal mode, copy-engine sized", "low-latency mode",
+              "low-latency mode, expert-major"]  # fmt: skip
+    assert got["none_phases"] == [phases[0], *phases[2:]], got["none_phases"]
     assert got["none_ce_phases"] == phases, got["none_ce_phases"]
     assert got["none"] == "" and got["fp8"] == "", (got["none"], got["fp8"])
     calls, d_calls, c_calls = got["buffer_calls"]
@@ -461,6 +478,7 @@ def test_self_test_passes_and_names_the_broken_pair(emu_so):
         ("staged_normal", "normal mode dispatch: rank 0 -> rank 2 (host-staged): rows"),
         ("pull_ll", "low-latency mode dispatch: rank 0 -> rank 1 (P2P pull): rows"),
         ("push_ll", "low-latency mode dispatch: rank 1 -> rank 0 (P2P push): rows"),
+        ("staged_em", "expert-major dispatch: rank 0 -> rank 2 (host-staged): rows"),
     ):
         msg = got[key]
         assert pair in msg and "with wrong bytes" in msg, (key, msg)

@@ -93,6 +93,7 @@ def _phases(t) -> list[tuple[str, int, _Plan]]:
         out.append(("normal mode, copy-engine sized", _OP_DISPATCH,
                     _Plan(w, min(m, math.ceil(rows * w / k)), k, 1)))  # fmt: skip
     out.append(("low-latency mode", _OP_LL_DISPATCH, _Plan(w, min(m, 2 * w), k, 2)))
+    out.append(("low-latency mode, expert-major", _OP_LL_DISPATCH, _Plan(w, min(m, 2 * w), k, 3)))
     return out
 
 
@@ -154,15 +155,50 @@ def _combine_rows(t, src, tok):
     return y.to(t.dtype)
 
 
-def _check_combine(t, bad, mask, out):
+def _check_combine(t, bad, mask, out, weight: float):
     tok = torch.arange(out.shape[0], device=t.device).unsqueeze(1)
     chan = torch.arange(t.hidden, device=t.device).unsqueeze(0)
     want = torch.zeros(out.shape, dtype=torch.float32, device=t.device)
     for d in range(t.world):
-        want += mask[:, d : d + 1] * _y_value(d, t.rank, tok, chan).float()
+        want += mask[:, d : d + 1] * _y_value(d, t.rank, tok, chan).float() * weight
     wrong = (out != want.to(out.dtype)).any(dim=1)
     # every expert rank the wrong token visited is a suspect; the report names the most hit
     bad[: t.world, _COMBINE] += (mask & wrong.unsqueeze(1)).sum(dim=0, dtype=torch.int32)
+
+
+def _expert_major(t, bad, plan, targets, fp8, counts) -> None:
+    """The DeepEP-shaped receive ``[E_local, world * max_tokens, H]``: each row's source
+    comes from ``layout_range`` (begin << 32 | count per expert and source), its token from
+    ``src_info``; then the same checks as the rows layout, and the fused, weighted combine
+    of ``y[e, i] = value(this rank, source, token, channel)``."""
+    w, m, dev, e_n = t.world, t.max_tokens, t.device, t.num_local_experts
+    cap, k = w * m, t.num_topk
+    xo = torch.empty(e_n, cap, t.hidden, dtype=t.dtype, device=dev)
+    per_expert = torch.zeros(e_n, dtype=torch.int32, device=dev)
+    src_info = torch.full((e_n, cap), -1, dtype=torch.int32, device=dev)
+    layout_range = torch.zeros(e_n, w, dtype=torch.int64, device=dev)
+    expert_pos = torch.empty(cap, k, dtype=torch.int32, device=dev)
+    row_experts = torch.full((cap, k), -1, dtype=torch.int32, device=dev)
+    row_weights = torch.zeros(cap, k, dtype=torch.float32, device=dev)
+    t.unpack_expert_major(None, counts, e_n, xo, None, None, per_expert, src_info, layout_range,
+                          expert_pos, row_experts, row_weights)  # fmt: skip
+    begin, count = (layout_range >> 32).unsqueeze(2), (layout_range & 0xFFFFFFFF).unsqueeze(2)
+    i = torch.arange(cap, device=dev).view(1, 1, cap)
+    inside = (i >= begin) & (i < begin + count)  # [E, world, cap]
+    ranks = torch.arange(w, device=dev).view(1, w, 1)
+    valid = (i.view(1, cap) < per_expert.view(e_n, 1)) & (inside.sum(dim=1) == 1)
+    src = torch.where(valid, (inside * ranks).sum(dim=1), -1).to(torch.int32)
+    tok = torch.where(valid, src_info, -1)
+    # the row's "ids": the local expert it sits in; its weight is checked by the combine
+    expert = torch.arange(e_n, device=dev, dtype=torch.int32).view(e_n, 1).expand(e_n, cap)
+    ids = expert.reshape(-1, 1)
+    ws = torch.full((e_n * cap, 1), 0.5, dtype=torch.float32, device=dev)
+    _check_rows(t, bad, plan, targets, fp8, xo.view(-1, t.hidden), src.view(-1), tok.view(-1),
+                ids, ws)  # fmt: skip
+    chan = torch.arange(t.hidden, device=dev).view(1, 1, -1)
+    y = _y_value(t.rank, src.long().unsqueeze(2), tok.long().unsqueeze(2), chan).to(t.dtype)
+    t.combine_send_expert_major(None, _OP_LL_COMBINE, None, y, counts, None, expert_pos,
+                                row_experts, row_weights)  # fmt: skip
 
 
 def rank_steps(t, placement, fp8: bool, report: dict) -> Iterator[None]:
@@ -194,27 +230,32 @@ def rank_steps(t, placement, fp8: bool, report: dict) -> Iterator[None]:
         else:
             counts, row_base, host, bases = t.ll_counts(), None, None, None
             shape = (w * m,)
-        xo = torch.empty(*shape, t.hidden, dtype=t.dtype, device=dev)
-        src = torch.full(shape, -1, dtype=torch.int32, device=dev)
-        tok = torch.full(shape, -1, dtype=torch.int32, device=dev)
-        ids_o = torch.full((*shape, k), -1, dtype=torch.int32, device=dev)
-        ws_o = torch.zeros(*shape, k, dtype=torch.float32, device=dev)
-        per_expert = torch.zeros(t.num_local_experts, dtype=torch.int32, device=dev)
-        # low latency: the receive kernel waits for the flags and writes counts itself
-        t.unpack_rows(None, counts, row_base, xo, None, None, src, tok, ids_o, ws_o,
-                      t.num_local_experts, per_expert)  # fmt: skip
-        _check_rows(t, bad[i], plan, targets, fp8, xo, src, tok, ids_o, ws_o)
-        y = _combine_rows(t, src, tok)
-        combine = _OP_COMBINE if op == _OP_DISPATCH else _OP_LL_COMBINE
-        if op == _OP_DISPATCH:
-            t.combine_send(None, combine, None, y, counts, row_base, host, bases)
+        if "expert-major" in name:
+            _expert_major(t, bad[i], plan, targets, fp8, counts)
         else:
-            t.combine_send(None, combine, None, y, counts, None)
+            xo = torch.empty(*shape, t.hidden, dtype=t.dtype, device=dev)
+            src = torch.full(shape, -1, dtype=torch.int32, device=dev)
+            tok = torch.full(shape, -1, dtype=torch.int32, device=dev)
+            ids_o = torch.full((*shape, k), -1, dtype=torch.int32, device=dev)
+            ws_o = torch.zeros(*shape, k, dtype=torch.float32, device=dev)
+            per_expert = torch.zeros(t.num_local_experts, dtype=torch.int32, device=dev)
+            # low latency: the receive kernel waits for the flags and writes counts itself
+            t.unpack_rows(None, counts, row_base, xo, None, None, src, tok, ids_o, ws_o,
+                          t.num_local_experts, per_expert)  # fmt: skip
+            _check_rows(t, bad[i], plan, targets, fp8, xo, src, tok, ids_o, ws_o)
+            y = _combine_rows(t, src, tok)
+            combine = _OP_COMBINE if op == _OP_DISPATCH else _OP_LL_COMBINE
+            if op == _OP_DISPATCH:
+                t.combine_send(None, combine, None, y, counts, row_base, host, bases)
+            else:
+                t.combine_send(None, combine, None, y, counts, None)
         yield
         out = torch.empty(plan.tokens, t.hidden, dtype=t.dtype, device=dev)
+        combine = _OP_COMBINE if op == _OP_DISPATCH else _OP_LL_COMBINE
         t.combine_recv(None, combine, None, t.timeout_s, send_token, send_count, plan.tokens,
                        out, sync=True)  # fmt: skip
-        _check_combine(t, bad[i], mask, out)
+        # the expert-major combine applies the routing weights (0.5) on the expert's rank
+        _check_combine(t, bad[i], mask, out, 0.5 if "expert-major" in name else 1.0)
         yield
 
 
