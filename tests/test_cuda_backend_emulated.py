@@ -486,3 +486,36 @@ def test_self_test_passes_and_names_the_broken_pair(emu_so):
     assert "low-latency mode dispatch: rank 0 -> rank 1" not in got["staged_normal"]
     msg = got["silent_ll"]
     assert "PeerTimeoutError" in msg and "rank 2" in msg and "PCIE_A2A_P2P=0" in msg, msg
+
+
+# ---- normal mode in pieces on the CUDA transport -------------------------------------------
+def _rank_pieces(rank: int, world: int, so: str) -> list[int]:
+    import cuda_emu_module
+
+    import pcie_a2a
+
+    hooks = cuda_emu_module.install(Path(so))
+    calls = []
+    with (pcie_a2a.Buffer(None, E, H, 4, num_topk=K, backend="cuda",
+                          max_dispatch_tokens=M) as pieces,
+          pcie_a2a.Buffer(None, E, H, M, num_topk=K, backend="cpu") as whole):  # fmt: skip
+        for step in range(2):
+            x, ids, w = _inputs(step)  # M - 2 tokens: three pieces of 4
+            a, b = pieces.dispatch(x, ids, w), whole.dispatch(x, ids, w)
+            for u, v in zip((a.x.view(torch.int16), a.src_token, a.topk_ids, a.topk_weights,
+                             a.tokens_per_expert), (b.x.view(torch.int16), b.src_token,
+                             b.topk_ids, b.topk_weights, b.tokens_per_expert)):  # fmt: skip
+                assert torch.equal(u, v), step
+            ya = pieces.combine(_expert(a, "rows"), a.handle)
+            yb = whole.combine(_expert(b, "rows"), b.handle)
+            assert torch.equal(ya.view(torch.int16), yb.view(torch.int16)), step
+            calls.append(pieces.stats()["calls"])
+    assert not cuda_emu_module.leaks(hooks)
+    return calls
+
+
+def test_normal_mode_in_pieces_on_the_cuda_transport(emu_so):
+    """A 10-token dispatch through a 4-token CUDA region (three pieces) equals one call of
+    the CPU transport with a region for all of it."""
+    calls = run_ranks(1, _rank_pieces, emu_so, timeout=300)[0].unwrap()
+    assert calls == [6, 12], calls  # three pieces, dispatch and combine each, per step
