@@ -7,9 +7,10 @@ the CPU model of CUDA (tests/test_cuda_transport_emulation.py); ``tests/test_cud
 and ``scripts/gpu_check.sh`` are the first GPU check (see docs/cuda_transport.md).
 
 :class:`CudaTransport` implements the methods the Buffer calls on every transport
-(:mod:`pcie_a2a.transport.base`), taking CUDA tensors on this transport's device. Normal mode synchronises where the
-CPU transport would block (``wait`` returns the counts on the host, ``combine_recv``
-raises a peer's failure). The low-latency calls (``device_side``) never touch the host:
+(:mod:`pcie_a2a.transport.base`), taking CUDA tensors on this transport's device.
+Normal mode synchronises once per dispatch (``wait`` returns the counts on the host; the
+copy-engine path adds one on the sender) and not in combine (a peer's failure is raised
+by the next call's :meth:`check`). The low-latency calls (``device_side``) never touch the host:
 counts stay on the device, the kernels check the ids and write every output element, and
 failures land in the error word that :meth:`check` (and the next call) raises; so
 ``Buffer.low_latency_dispatch``/``low_latency_combine`` can be captured in a CUDA graph.

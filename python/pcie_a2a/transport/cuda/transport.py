@@ -1,26 +1,7 @@
-"""The CUDA transport (peer-to-peer over CUDA IPC, or staged through pinned host memory)
-behind ``Buffer(backend="cuda")``: the :class:`pcie_a2a.transport.Transport` interface.
-(``pcie_a2a.cuda_backend``, its old name, is the package.)
-
-NOT YET RUN ON A GPU: everything here and in ``csrc/cuda/transport`` runs in CI only on
-the CPU model of CUDA (tests/test_cuda_transport_emulation.py); ``tests/test_cuda_transport.py``
-and ``scripts/gpu_check.sh`` are the first GPU check (see docs/cuda_transport.md).
-
-:class:`CudaTransport` implements the methods the Buffer calls on every transport
-(:mod:`pcie_a2a.transport.base`), taking CUDA tensors on this transport's device. Normal mode synchronises where the
-CPU transport would block (``wait`` returns the counts on the host, ``combine_recv``
-raises a peer's failure). The low-latency calls (``device_side``) never touch the host:
-counts stay on the device, the kernels check the ids and write every output element, and
-failures land in the error word that :meth:`check` (and the next call) raises; so
-``Buffer.low_latency_dispatch``/``low_latency_combine`` can be captured in a CUDA graph.
-The ``*_async`` methods are the same low-latency calls with the tensors given.
-
-Construction is collective over ``group`` (every rank constructs with the same
-arguments): IPC handles and the pair plan are exchanged with ``all_gather_object``, and
-every local step reaches the next gather with its error, so a failure on one rank is
-raised on every rank. :meth:`CudaTransport.in_process` builds the W transports of a
-group in one process instead (the single-GPU stand-in for concurrency).
-"""
+"""``CudaTransport``: one rank's CUDA transport, its lifecycle and the calls the Buffer
+makes (:mod:`pcie_a2a.transport.base`). The package docstring (:mod:`pcie_a2a.transport.cuda`)
+says what runs where and how the roles are split; the bootstrap is :mod:`.bootstrap`, the
+graph-capturable calls :mod:`.calls`. NOT YET RUN ON A GPU."""
 
 from __future__ import annotations
 
