@@ -9,8 +9,10 @@ expert-major layout), with two PCIe-driven differences:
 * combine takes one row per received row, already weighted and summed over that rank's
   experts (pre-reduction on the expert's rank); the source sums the partials in fp32.
 
-The process group is used only to bootstrap (exchange segment names and check that every
-rank passed the same arguments); data moves through the transport.
+The process group is used to bootstrap (exchange segment names, check that every rank
+passed the same arguments, choose the backend, the CUDA self-test's verdict) and, only in a
+Buffer with ``max_dispatch_tokens > max_tokens_per_rank``, for one all-reduce of the piece
+count per normal dispatch; data moves through the transport.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@ devices) and each sender's row of the pair plan (CUDA peer access)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -14,12 +15,21 @@ from pcie_a2a.transport.cuda.common import P2P, STAGED
 _PLANS: dict[tuple, tuple[Any, str]] = {}
 
 
+def _mtime(path: str | None) -> int | None:
+    try:
+        return os.stat(path).st_mtime_ns if path else None
+    except OSError:
+        return None
+
+
 def _plan_key(bus_ids: list[str | None]) -> tuple:
     from pcie_a2a import env
 
-    knobs = (env.topo_file(), env.probe_file(), env.probe_cache(), env.p2p(), env.p2p_level(),
-             env.direction(), env.engine(), env.schedule(), repr(env.pair_overrides()))  # fmt: skip
-    return (tuple(bus_ids), knobs)
+    # a topology or probe file rewritten in this process is read again
+    files = tuple((f, _mtime(f)) for f in (env.topo_file(), env.probe_file()))
+    knobs = (env.probe_cache(), env.p2p(), env.p2p_level(), env.direction(), env.engine(),
+             env.schedule(), repr(env.pair_overrides()))  # fmt: skip
+    return (tuple(bus_ids), files, knobs)
 
 
 def clear_plan_cache() -> None:
