@@ -242,11 +242,12 @@ def _rank_bad_ids(rank: int, world: int, so: str) -> str:
         x, ids, w = _inputs(0)
         ids[1, 0] = E + 5  # past the experts
         ids[2, 1] = ids[2, 0]  # an expert twice
+        first = buf._transport.calls_made()[0] + 1  # the Buffer's calls follow the self-test's
         r = buf.low_latency_dispatch(x, ids, w)  # no host look at the ids: it runs
         # The next call raises (here the combine: the emulated kernel has already run) and
         # is aborted on the wire, as a ValueError of the host check is.
         with pytest.raises(
-            ValueError, match=r"topk_ids of low_latency_dispatch \(call 1\)"
+            ValueError, match=rf"topk_ids of low_latency_dispatch \(call {first}\)"
         ) as info:
             buf.low_latency_combine(_expert(r, "rows"), r.handle)
         x, ids, w = _inputs(1)
@@ -347,3 +348,174 @@ def test_the_counter_sees_launches_and_syncs():
     assert "tolist" in seen["syncs"] and "item" in seen["syncs"], seen
     assert {"zeros", "add"} <= set(seen["launches"]), seen
     assert "empty" not in seen["launches"], seen
+
+
+# ---- the start-up self-test ----------------------------------------------------------------
+# 0 -> 1 P2P pull, 1 -> 0 P2P push, 0 <-> 2 host-staged, 1 -> 2 P2P pull, 2 -> 1 P2P push
+_ST_PLAN = [["p2p", "p2p", "staged"], ["p2p", "p2p", "p2p"], ["staged", "p2p", "p2p"]]
+_ST_DIR = [["push", "pull", "push"], ["push", "push", "pull"], ["push", "push", "push"]]
+
+
+def _corrupt(t, op: int, src: int) -> None:
+    """A path that damages the rows of one source: one channel of each row it delivers."""
+    orig = t.unpack_rows
+
+    def unpack(parity, counts, row_base, x_out, *rest):
+        orig(parity, counts, row_base, x_out, *rest)
+        if t._dispatch_op == op:
+            x_out.view(-1, x_out.shape[-1])[rest[2].view(-1) == src, 3] += 1
+
+    t.unpack_rows = unpack
+
+
+def _corrupt_expert_major(t, src: int) -> None:
+    """The same damage in the expert-major receive: every row ``src`` delivers."""
+    orig = t.unpack_expert_major
+
+    def unpack(parity, counts, e_n, x_out, *rest):
+        orig(parity, counts, e_n, x_out, *rest)
+        layout_range = rest[4]
+        for e in range(e_n):
+            begin, count = int(layout_range[e, src]) >> 32, int(layout_range[e, src]) & 0xFFFFFFFF
+            x_out[e, begin : begin + count, 5] += 1
+
+    t.unpack_expert_major = unpack
+
+
+def _silent(t, op: int) -> None:
+    """A rank whose rows of ``op`` never arrive anywhere."""
+    orig = t.dispatch_send
+    t.dispatch_send = lambda seq, o, *a: None if o == op else orig(seq, o, *a)
+
+
+def _rank_self_test(rank: int, world: int, so: str) -> dict:
+    import cuda_emu_module
+
+    import pcie_a2a
+    from pcie_a2a.placement import Placement
+    from pcie_a2a.transport.cuda import CudaTransport, selftest
+    from pcie_a2a.transport.memory import dispatch_slot_bytes, segment_bytes
+
+    hooks = cuda_emu_module.install(Path(so))
+    got = {}
+    # world 1: the Buffer runs it before it returns (and numbers its calls after it)
+    with pcie_a2a.Buffer(None, E, H, M, num_topk=K, backend="cuda") as buf:
+        got["buffer_calls"] = buf._transport.calls_made()
+        mem = buf.memory_bytes()
+        assert mem["segment"] == buf._transport._native.segment_bytes, mem
+        assert mem["device"] == mem["segment"] and mem["host"] == 0, mem  # no staged peer
+        got["buffer_stats_calls"] = buf.stats()["calls"]
+    orig = CudaTransport.unpack_rows
+
+    def broken(self, parity, counts, row_base, x_out, *rest):
+        orig(self, parity, counts, row_base, x_out, *rest)
+        x_out.view(-1, x_out.shape[-1])[rest[2].view(-1) == 0, 0] += 1
+
+    CudaTransport.unpack_rows = broken
+    try:
+        pcie_a2a.Buffer(None, E, H, M, num_topk=K, backend="cuda")
+        got["buffer_fault"] = "not raised"
+    except RuntimeError as exc:
+        got["buffer_fault"] = str(exc)
+    finally:
+        CudaTransport.unpack_rows = orig
+    # three in-process ranks over P2P push, pull and host-staged pairs
+    placement = Placement.contiguous(9, 3)
+    for fault in ("none", "staged_normal", "pull_ll", "push_ll", "staged_em", "silent_ll", "fp8"):
+        txs = CudaTransport.in_process(
+            3, H, 40, K, 2 if fault == "fp8" else 0, 0, placement, pair_transport=_ST_PLAN,
+            pair_direction=_ST_DIR,
+        )  # fmt: skip
+        for t in txs:
+            t.emu_stream = hooks.stream()
+            # The copy-engine path copies device tickets to pinned host memory, which the
+            # Python-level model cannot tell from torch CPU tensors: it runs in the native
+            # emulation (tests/native/transport_emu), and its phase is checked below only
+            # by name.
+            t.copy_engine_min_bytes = None
+        if fault == "staged_normal":
+            _corrupt(txs[2], 1, 0)  # 0 -> 2: host-staged
+        elif fault == "pull_ll":
+            _corrupt(txs[1], 3, 0)  # 0 -> 1: P2P pull
+        elif fault == "push_ll":
+            _corrupt(txs[0], 3, 1)  # 1 -> 0: P2P push
+        elif fault == "staged_em":
+            _corrupt_expert_major(txs[2], 0)  # 0 -> 2: host-staged, expert-major receive
+        elif fault == "silent_ll":
+            _silent(txs[2], 3)
+        payload = "fp8" if fault == "fp8" else "bf16"
+        for t in txs:  # the memory formula is the allocator's (pulled pairs: the pull slots)
+            want = segment_bytes(3, H, 40, K, payload, with_pull=True, staged_progress=True)
+            assert t._native.segment_bytes == want, (t._native.segment_bytes, want)
+            assert t._native.dispatch_slot_bytes == dispatch_slot_bytes(H, K, payload)
+        got[fault] = selftest.run_in_process(txs, placement, fault == "fp8", timeout_s=1.0)
+        got[fault + "_phases"] = [p[0] for p in selftest._phases(txs[0])]
+        txs[0].copy_engine_min_bytes = 4096  # a pair of >= 8 rows would take it
+        got[fault + "_ce_phases"] = [p[0] for p in selftest._phases(txs[0])]
+        CudaTransport.close_in_process(txs)
+        for t in txs:
+            hooks.destroy_stream(t.emu_stream)
+    assert not cuda_emu_module.leaks(hooks)
+    return got
+
+
+def test_self_test_passes_and_names_the_broken_pair(emu_so):
+    """The known-answer check on the CUDA execution model: it passes on good paths (a world-1
+    Buffer, three in-process ranks over push, pull and host-staged pairs, bf16 and fp8), and
+    a row damaged on one pair, in one mode, or a rank that never sends, fails it with the
+    pair, its path and the ways out named."""
+    got = run_ranks(1, _rank_self_test, emu_so, timeout=300)[0].unwrap()
+    phases = ["normal mode", "normal mode, copy-engine sized", "low-latency mode",
+              "low-latency mode, expert-major"]  # fmt: skip
+    assert got["none_phases"] == [phases[0], *phases[2:]], got["none_phases"]
+    assert got["none_ce_phases"] == phases, got["none_ce_phases"]
+    assert got["none"] == "" and got["fp8"] == "", (got["none"], got["fp8"])
+    calls, d_calls, c_calls = got["buffer_calls"]
+    assert calls >= 4 and d_calls == c_calls == calls // 2, got["buffer_calls"]
+    assert got["buffer_stats_calls"] == 0  # the Buffer's statistics exclude the self-test
+    for key, pair in (
+        ("buffer_fault", "rank 0 -> rank 0 (P2P push"),
+        ("staged_normal", "normal mode dispatch: rank 0 -> rank 2 (host-staged): rows"),
+        ("pull_ll", "low-latency mode dispatch: rank 0 -> rank 1 (P2P pull): rows"),
+        ("push_ll", "low-latency mode dispatch: rank 1 -> rank 0 (P2P push): rows"),
+        ("staged_em", "expert-major dispatch: rank 0 -> rank 2 (host-staged): rows"),
+    ):
+        msg = got[key]
+        assert pair in msg and "with wrong bytes" in msg, (key, msg)
+        assert "PCIE_A2A_P2P=0" in msg and "PCIE_A2A_BACKEND=cpu" in msg, msg
+    assert "low-latency mode dispatch: rank 0 -> rank 1" not in got["staged_normal"]
+    msg = got["silent_ll"]
+    assert "PeerTimeoutError" in msg and "rank 2" in msg and "PCIE_A2A_P2P=0" in msg, msg
+
+
+# ---- normal mode in pieces on the CUDA transport -------------------------------------------
+def _rank_pieces(rank: int, world: int, so: str) -> list[int]:
+    import cuda_emu_module
+
+    import pcie_a2a
+
+    hooks = cuda_emu_module.install(Path(so))
+    calls = []
+    with (pcie_a2a.Buffer(None, E, H, 4, num_topk=K, backend="cuda",
+                          max_dispatch_tokens=M) as pieces,
+          pcie_a2a.Buffer(None, E, H, M, num_topk=K, backend="cpu") as whole):  # fmt: skip
+        for step in range(2):
+            x, ids, w = _inputs(step)  # M - 2 tokens: three pieces of 4
+            a, b = pieces.dispatch(x, ids, w), whole.dispatch(x, ids, w)
+            for u, v in zip((a.x.view(torch.int16), a.src_token, a.topk_ids, a.topk_weights,
+                             a.tokens_per_expert), (b.x.view(torch.int16), b.src_token,
+                             b.topk_ids, b.topk_weights, b.tokens_per_expert)):  # fmt: skip
+                assert torch.equal(u, v), step
+            ya = pieces.combine(_expert(a, "rows"), a.handle)
+            yb = whole.combine(_expert(b, "rows"), b.handle)
+            assert torch.equal(ya.view(torch.int16), yb.view(torch.int16)), step
+            calls.append(pieces.stats()["calls"])
+    assert not cuda_emu_module.leaks(hooks)
+    return calls
+
+
+def test_normal_mode_in_pieces_on_the_cuda_transport(emu_so):
+    """A 10-token dispatch through a 4-token CUDA region (three pieces) equals one call of
+    the CPU transport with a region for all of it."""
+    calls = run_ranks(1, _rank_pieces, emu_so, timeout=300)[0].unwrap()
+    assert calls == [6, 12], calls  # three pieces, dispatch and combine each, per step

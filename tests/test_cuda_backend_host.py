@@ -294,3 +294,77 @@ def test_bootstrap_failure_reaches_every_rank(where, want):
         assert want in m, m
     if where == "device":
         assert "EXCLUSIVE_PROCESS or PROHIBITED compute mode" in msgs[0]
+
+
+# ---- backend="auto": one verdict for the whole group ----------------------------------------
+def _votes(monkeypatch, per_rank: list[bool], forced: list[str | None] | None = None):
+    """choose_backend as every rank of a group would run it: rank r's vote with its CUDA
+    availability and PCIE_A2A_BACKEND, gathered."""
+    from pcie_a2a import _native
+    from pcie_a2a.transport import _vote
+
+    votes = []
+    for r, ok in enumerate(per_rank):
+        monkeypatch.setattr(_native, "cuda_available", lambda ok=ok: ok)
+        monkeypatch.setattr(_native, "cuda_unavailable_reason", lambda r=r: f"no GPU on rank {r}")
+        if forced and forced[r]:
+            monkeypatch.setenv("PCIE_A2A_BACKEND", forced[r])
+        else:
+            monkeypatch.delenv("PCIE_A2A_BACKEND", raising=False)
+        votes.append(_vote("auto"))
+    return lambda mine: votes
+
+
+def test_auto_is_cuda_only_when_every_rank_can_run_it(monkeypatch):
+    from pcie_a2a.transport import choose_backend
+
+    assert choose_backend("auto", _votes(monkeypatch, [True, True])) == "cuda"
+    assert choose_backend("auto", _votes(monkeypatch, [False, False])) == "cpu"
+    assert choose_backend("auto", _votes(monkeypatch, [True, True], ["cpu", "cpu"])) == "cpu"
+    with pytest.raises(RuntimeError) as info:
+        choose_backend("auto", _votes(monkeypatch, [True, False, True]))
+    msg = str(info.value)
+    assert "ranks [1] of 3 cannot run the CUDA transport (rank 1: no GPU on rank 1)" in msg
+    assert "PCIE_A2A_BACKEND=cpu on every rank" in msg
+    with pytest.raises(
+        ValueError, match=r"PCIE_A2A_BACKEND differs between ranks: \['cpu', None\]"
+    ):
+        choose_backend("auto", _votes(monkeypatch, [True, True], ["cpu", None]))
+    with pytest.raises(ValueError, match=r"backend='cuda' is not available on every rank"):
+        votes = _votes(monkeypatch, [True, False])(None)
+        choose_backend("cuda", lambda mine: [("cuda", *v[1:]) for v in votes])
+
+
+def test_a_bad_backend_knob_reaches_every_rank(monkeypatch):
+    from pcie_a2a.transport import _vote, choose_backend
+
+    monkeypatch.setenv("PCIE_A2A_BACKEND", "tpu")
+    bad = _vote("auto")
+    monkeypatch.delenv("PCIE_A2A_BACKEND")
+    good = _vote("auto")
+    with pytest.raises(ValueError, match=r"rank 1: PCIE_A2A_BACKEND='tpu'"):
+        choose_backend("auto", lambda mine: [good, bad])
+
+
+# ---- rank 0's plan is kept per process -----------------------------------------------------
+def test_topology_plan_is_discovered_once_per_process(monkeypatch):
+    from pcie_a2a.topology import sources
+    from pcie_a2a.transport import cuda as cuda_backend
+
+    calls = []
+
+    def discover():
+        calls.append(1)
+        raise OSError("no sysfs here")
+
+    monkeypatch.setattr(sources, "current_with_probe", discover)
+    cuda_backend.clear_plan_cache()
+    try:
+        first = cuda_backend.topology_rank_plan(BUS8)
+        assert first[0] is None and "no sysfs here" in first[1]
+        assert cuda_backend.topology_rank_plan(BUS8) == first and len(calls) == 1
+        monkeypatch.setenv("PCIE_A2A_P2P", "0")  # a knob of the plan: planned again
+        cuda_backend.topology_rank_plan(BUS8)
+        assert len(calls) == 2
+    finally:
+        cuda_backend.clear_plan_cache()

@@ -9,8 +9,10 @@ expert-major layout), with two PCIe-driven differences:
 * combine takes one row per received row, already weighted and summed over that rank's
   experts (pre-reduction on the expert's rank); the source sums the partials in fp32.
 
-The process group is used only to bootstrap (exchange segment names and check that every
-rank passed the same arguments); data moves through the transport.
+The process group is used to bootstrap (exchange segment names, check that every rank
+passed the same arguments, choose the backend, the CUDA self-test's verdict) and, only in a
+Buffer with ``max_dispatch_tokens > max_tokens_per_rank``, for one all-reduce of the piece
+count per normal dispatch; data moves through the transport.
 """
 
 from __future__ import annotations
@@ -113,8 +115,13 @@ class Buffer:
             scale per 128 channels, quantised by the sender).
         placement: a :class:`Placement`, or a list giving each expert's ``(rank, local)``
             (or a list of them for redundant copies). Default: contiguous blocks.
-        backend: ``"auto"`` (``PCIE_A2A_BACKEND``, else ``"cpu"``), ``"cpu"``, or ``"cuda"``
-            (explicit opt-in: the CUDA transport has not yet run on a GPU, see the README).
+        backend: ``"auto"`` (``PCIE_A2A_BACKEND``; else ``"cuda"`` when every rank has a
+            CUDA device and the build has the kernels, ``"cpu"`` when no rank has; decided
+            collectively), ``"cpu"``, or ``"cuda"``. A Buffer on CUDA runs a known-answer
+            dispatch + combine over every pair's path before it returns and raises on every
+            rank when a pair fails (``PCIE_A2A_SELFTEST=0`` skips it: unsafe). The CUDA
+            transport has not yet run on a GPU (see the README). On a GPU machine,
+            ``"auto"`` means CUDA tensors: pass ``"cpu"`` to move CPU tensors.
         timeout_s: per-call deadline; a peer that does not arrive raises PeerTimeoutError.
             Default: ``PCIE_A2A_TIMEOUT_S`` or 30 s.
         num_topk: largest top-k a call may pass (expert slots per row on the wire).
@@ -143,6 +150,7 @@ class Buffer:
         timeout_s: float | None = None,
         num_topk: int = 8,
         pair_direction: list[list[str]] | None = None,
+        max_dispatch_tokens: int | None = None,
     ):
         self._transport = None
         self._closed = True
@@ -160,6 +168,15 @@ class Buffer:
         ):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise _fail(ValueError, name, repr(value), "a positive int")
+        if max_dispatch_tokens is None:
+            max_dispatch_tokens = max_tokens_per_rank
+        if (
+            not isinstance(max_dispatch_tokens, int)
+            or isinstance(max_dispatch_tokens, bool)
+            or max_dispatch_tokens < max_tokens_per_rank
+        ):
+            raise _fail(ValueError, "max_dispatch_tokens", repr(max_dispatch_tokens),
+                        f"None or an int >= max_tokens_per_rank ({max_tokens_per_rank})")  # fmt: skip
         if dtype not in _DTYPES:
             raise _fail(TypeError, "dtype", dtype, "torch.bfloat16, torch.float16")
         if payload not in _PAYLOADS:
@@ -195,10 +212,11 @@ class Buffer:
             )
         # None: "auto" until the transport resolved it (see _bootstrap)
         self.pair_direction = _check_pair_direction(pair_direction, self.world)
-        self.backend = choose_backend(backend)
+        self.backend = choose_backend(backend, self._gather)  # collective: one verdict
         self.num_experts = num_experts
         self.hidden = hidden
         self.max_tokens_per_rank = max_tokens_per_rank
+        self.max_dispatch_tokens = max_dispatch_tokens
         self.dtype = dtype
         self.payload = payload
         self.placement = placement
@@ -215,6 +233,7 @@ class Buffer:
         # low-latency path (0 host syncs, 4 launches) does not pay unless asked. The MoE
         # layer turns it on for its load window.
         self.count_expert_load = False
+        self._x_limit = max_tokens_per_rank  # _check_x's bound (a piece-moving call raises it)
         self._load: torch.Tensor | None = None  # see expert_load()
         self._bootstrap()
         self.device = self._transport.device
@@ -227,6 +246,7 @@ class Buffer:
             "num_experts": self.num_experts,
             "hidden": self.hidden,
             "max_tokens_per_rank": self.max_tokens_per_rank,
+            "max_dispatch_tokens": self.max_dispatch_tokens,
             "dtype": str(self.dtype),
             "payload": self.payload,
             "num_topk": self.num_topk,
@@ -265,6 +285,8 @@ class Buffer:
         # Garbage collection and interpreter exit cannot close collectively: abandon()
         # releases what no peer can still write into and leaves the rest to the process exit.
         self._finalizer = weakref.finalize(self, transport.abandon)
+        # the self-test's calls came first: this Buffer's numbering continues after them
+        self._seq, self._dispatch_calls, self._combine_calls = transport.calls_made()
         self.pair_direction = tuple(tuple(r) for r in transport.pair_direction)  # resolved
         if transport.numa_warning:
             warnings.warn(f"pcie_a2a rank {self.rank}: {transport.numa_warning}", stacklevel=4)
@@ -349,6 +371,24 @@ class Buffer:
             "numa_bound": bool(self._transport.numa_bound),
             "decisions": self._transport.decisions(),
         }
+
+    def memory_bytes(self) -> dict[str, int | str]:
+        """What this rank's transport holds: ``device`` and ``host`` bytes (per GPU on CUDA)
+        and the regions they are made of, from the wire format's formulas
+        (:func:`pcie_a2a.transport.memory.transport_memory`, which ``pcie-a2a plan`` uses
+        without building a Buffer) with this Buffer's pair decisions (pulled pairs,
+        host-staged peers, the copy-engine threshold). Tensors the calls return are the
+        caller's and not counted."""
+        from pcie_a2a.transport.memory import transport_memory
+
+        self._check_usable()
+        t = self._transport
+        return transport_memory(
+            self.backend, self.world, self.hidden, self.max_tokens_per_rank, self.num_topk,
+            self.payload, with_pull=any("pull" in row for row in self.pair_direction),
+            host_staged_peers=bool(getattr(t, "host_staged_peers", False)),
+            copy_engine_min_bytes=getattr(t, "copy_engine_min_bytes", None),
+        ).as_dict()  # fmt: skip
 
     def expert_load(self) -> torch.Tensor:
         """Tokens this rank sent to each global expert (``[num_experts]`` int64) in the
@@ -444,13 +484,13 @@ class Buffer:
             raise _fail(ValueError, "x.shape", tuple(x.shape), f"[num_tokens, {self.hidden}]")
         if x.dtype != self.dtype:
             raise _fail(TypeError, "x.dtype", x.dtype, f"{self.dtype} (the Buffer's dtype)")
-        if x.shape[0] > self.max_tokens_per_rank:
-            raise _fail(
-                ValueError,
-                "x.shape[0] (num_tokens)",
-                x.shape[0],
-                f"at most max_tokens_per_rank={self.max_tokens_per_rank}",
+        limit = self._x_limit
+        if x.shape[0] > limit:
+            name = (
+                "max_dispatch_tokens" if limit > self.max_tokens_per_rank else "max_tokens_per_rank"
             )
+            raise _fail(ValueError, "x.shape[0] (num_tokens)", x.shape[0],
+                        f"at most {name}={limit}")  # fmt: skip
         return x
 
     def _check_topk_ids(
@@ -643,7 +683,26 @@ class Buffer:
             return_fp8: with payload='fp8', return the received rows as e4m3 bytes
                 (``x`` as float8_e4m3fn) and ``x_scales`` instead of dequantising.
         Returns: :class:`DispatchResult` with compacted rows grouped by source rank.
+        With ``T > max_tokens_per_rank`` (``max_dispatch_tokens`` allows up to that), the
+        call moves in pieces (:mod:`pcie_a2a.pieces`) and returns the same result.
         """
+        if self.max_dispatch_tokens > self.max_tokens_per_rank:
+            from pcie_a2a import pieces
+
+            self._check_usable()
+            return pieces.dispatch(self, x, topk_ids, topk_weights, return_fp8)
+        return self._dispatch_one(x, topk_ids, topk_weights, return_fp8)
+
+    def _dispatch_one(self, x, topk_ids, topk_weights, return_fp8, pieces=False):
+        """One normal call (``pieces``: the call of a piece-moving Buffer whose x holds more
+        than max_dispatch_tokens: the check then names that limit)."""
+        self._x_limit = self.max_dispatch_tokens if pieces else self.max_tokens_per_rank
+        try:
+            return self._dispatch_call(x, topk_ids, topk_weights, return_fp8)
+        finally:
+            self._x_limit = self.max_tokens_per_rank
+
+    def _dispatch_call(self, x, topk_ids, topk_weights, return_fp8):
         seq, parity = self._begin(_OP_DISPATCH)
         self._guard(seq, _OP_DISPATCH, self._check_options, "rows", return_fp8)
         num_tokens, send_token, send_count, counts, host = self._send_rows(
@@ -866,6 +925,18 @@ class Buffer:
         ``y [R, H]``: one row per received row of the dispatch, already weighted by the
         routing weights and summed over that rank's local experts of the row.
         """
+        from pcie_a2a.pieces import PiecesHandle
+
+        if isinstance(handle, PiecesHandle):
+            self._check_usable()
+            self._check_handle(handle, "normal")
+            y = self._check_y(y, (sum(handle.recv_count_host), self.hidden))
+            from pcie_a2a import pieces
+
+            return pieces.combine(self, y, handle)
+        return self._combine_one(y, handle)
+
+    def _combine_one(self, y, handle) -> torch.Tensor:
         seq, parity = self._begin(_OP_COMBINE)
         handle = self._guard(seq, _OP_COMBINE, self._check_handle, handle, "normal")
         host = handle.recv_count_host

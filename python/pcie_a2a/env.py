@@ -61,6 +61,12 @@ def shm_dir() -> str:
     return _get("PCIE_A2A_SHM_DIR") or "/dev/shm"
 
 
+def selftest() -> bool:
+    """PCIE_A2A_SELFTEST=0: skip the known-answer dispatch + combine every Buffer on CUDA
+    runs before its first call. UNSAFE: a broken path then returns wrong rows silently."""
+    return get_bool("PCIE_A2A_SELFTEST") is not False
+
+
 def topo_file() -> str | None:
     """PCIE_A2A_TOPO_FILE: read the topology from this file instead of the live machine."""
     return _get("PCIE_A2A_TOPO_FILE")

@@ -75,6 +75,11 @@ class Transport(abc.ABC):
         """Low-latency mode: the per-source counts as an int32 tensor (on CUDA a tensor the
         receive kernel fills, with no host synchronisation)."""
 
+    def calls_made(self) -> tuple[int, int, int]:
+        """(calls, dispatch calls, combine calls) made before the Buffer's first call (a
+        start-up self-test's): the Buffer numbers its calls after them."""
+        return 0, 0, 0
+
     def ids_checked_on_device(self, op: int) -> bool:
         """Whether this transport's kernels check ``topk_ids`` of call ``op`` themselves
         (then Buffer skips the host check, which would synchronise)."""
