@@ -17,7 +17,7 @@ way. Never a fallback: a failing Buffer is not built.
 Values are small integers, exact in bf16/fp16 and, for the fp8 payload, every 128-channel
 group holds +-7 so its scale is 1/64 and every value is exact in e4m3. Per call this is a
 few thousand rows at most: on a GPU box the whole check should take a few milliseconds (it
-has not run on one; the CUDA execution model runs it in tests/test_cuda_selftest.py).
+has not run on one; the CUDA execution model runs it, with seeded faults).
 
 :func:`rank_steps` is one rank's share, as steps; :func:`run` drives one rank (a Buffer
 over a process group) and :func:`run_in_process` drives the W transports of
