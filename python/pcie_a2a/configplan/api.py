@@ -164,12 +164,12 @@ def make_plan(inp: Inputs) -> PlanResult:
         "kernel efficiencies (memory 0.85, tensor 0.6) and launch gaps are assumptions "
         "(docs/plan.md); the stack's host costs are fitted"
     )
-    results = evaluate_all(env, n, inp.redundant, inp.payload)
+    results = evaluate_all(env, n, inp.redundant, inp.payload, inp.max_tpot_ms)
     asked = None
     if inp.config:
         from .ask import explain
 
-        asked = explain(inp.config, env, n, results)
+        asked = explain(inp.config, env, n, results, inp.max_tpot_ms)
     notes += exchanges.notes
     return PlanResult(
         inp,

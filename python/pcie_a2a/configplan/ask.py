@@ -169,7 +169,9 @@ def to_config(framework: str, v: dict, payload: str) -> tuple[Config | None, str
     return Config(gpus, pp, dp, gpus, comm, 0, payload), ""
 
 
-def explain(flags: str, env: Env, gpus: int, results: list[Result]) -> Asked:
+def explain(
+    flags: str, env: Env, gpus: int, results: list[Result], cap_ms: float | None = None
+) -> Asked:
     framework, vals, notes = parse(flags)
     kv = vals.get("kv", "")
     kv_dtype = "fp8" if kv.startswith("fp8") else "bf16" if kv in ("", "auto", "bf16") else kv
@@ -187,6 +189,6 @@ def explain(flags: str, env: Env, gpus: int, results: list[Result]) -> Asked:
     )
     if same is None:
         e = env if kv_bytes == env.kv_bytes else replace(env, kv_bytes=kv_bytes, _loads={})
-        same = evaluate(e, cfg, gpus)
+        same = evaluate(e, cfg, gpus, cap_ms=cap_ms)
     asked.result = same
     return asked

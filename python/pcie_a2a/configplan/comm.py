@@ -21,7 +21,7 @@ from .tables import KB, MB, Tables
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "alltoall")
 
 
-KINDS = ("measured", "predicted", "derived", "model", "none")
+KINDS = ("measured", "predicted", "derived", "model", "assumed", "none")
 
 
 @dataclass(frozen=True)

@@ -103,6 +103,8 @@ def candidates(num_gpus: int, redundant: int = 0, payload: str = "fp8") -> list[
             continue
         out.append(Config(tp, pp))
         out += [Config(tp, pp, 1, tp, "allreduce", r) for r in slots]
+        # EP smaller than TP (MoE TP inside each EP rank): SGLang accepts it, vLLM cannot
+        out += [Config(tp, pp, 1, e, "allreduce") for e in _divisors(tp)[1:-1]]
         if pp > 1:
             continue
         out += [Config(tp, 1, 1, tp, "pcie_a2a", r, payload) for r in slots]  # TP attention

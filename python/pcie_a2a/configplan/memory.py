@@ -9,7 +9,7 @@ MoE TP. The busiest pipeline stage counts (the most layers, and the embedding or
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pcie_a2a.bench.memory import segment_bytes
 
@@ -79,19 +79,30 @@ def stage_layers(model: ModelShape, pp: int) -> list[tuple[int, int]]:
     return out
 
 
-def weights_per_gpu(model: ModelShape, cfg: Config, stage: int) -> float:
+def dense_split(cfg: Config, framework: str) -> int:
+    """GPUs the shared expert and LM head are split over. SGLang with DP attention and the
+    MoE on all-gathered tokens (a2a none) runs them on the gathered batch split over the
+    whole TP group (its DeepSeek model: shared experts and the vocab-parallel LM head use
+    the tp group); vLLM, and SGLang under an a2a backend, keep them per attention group."""
+    if framework == "sglang" and cfg.attn_dp > 1 and cfg.comm == "ag-rs":
+        return cfg.tp
+    return cfg.attn_tp
+
+
+def weights_per_gpu(model: ModelShape, cfg: Config, stage: int, framework: str = "vllm") -> float:
     n, n_moe = stage_layers(model, cfg.pp)[stage]
     at = cfg.attn_tp
+    ds = dense_split(cfg, framework)
     w = n * model.attention_bytes(at)
     slots = (model.experts + cfg.redundant) / cfg.ep if cfg.ep > 1 else model.experts
     w += n_moe * (slots * model.expert_bytes() / cfg.moe_tp + model.router_bytes())
     if model.shared_intermediate:
-        w += n_moe * model.mlp_bytes(model.shared_intermediate, "shared") / at
+        w += n_moe * model.mlp_bytes(model.shared_intermediate, "shared") / ds
     w += (n - n_moe) * model.mlp_bytes(model.dense_intermediate, "dense") / at
     if stage == 0:
         w += model.embedding_bytes() / at
     if stage == cfg.pp - 1 and not model.tie_embeddings:
-        w += model.lm_head_bytes() / at
+        w += model.lm_head_bytes() / ds
     return w + model.extra_weight_bytes
 
 
@@ -102,13 +113,18 @@ def memory(
     stack: Stack,
     context: int,
     kv_bytes: float,
+    framework: str | None = None,
 ) -> Memory:
+    """Per GPU on the busiest stage, in ``framework``'s layout and budget (default: the
+    stack's own)."""
+    if framework is not None and framework != stack.framework:
+        stack = replace(stack, framework=framework)
     budget, note = stack.memory_budget(gpu, cfg)
     chunk, _ = stack.prefill_chunk(gpu)
     worst = None
     for s in range(cfg.pp):
         n = stage_layers(model, cfg.pp)[s][0]
-        weights = weights_per_gpu(model, cfg, s)
+        weights = weights_per_gpu(model, cfg, s, stack.framework)
         buffers = NCCL_BUFFERS
         if cfg.comm == "pcie_a2a":
             buffers += segment_bytes(

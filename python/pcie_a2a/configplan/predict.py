@@ -22,7 +22,7 @@ from .configs import Config
 from .exchange import Exchanges
 from .gpus import Gpu
 from .imbalance import Routing, place, rank_load
-from .memory import ceil_div, stage_layers
+from .memory import ceil_div, dense_split, stage_layers
 from .models import ModelShape, WeightFormat
 from .stacks import Stack
 from .tables import Tables
@@ -140,16 +140,20 @@ def _stage(
         t["experts"] = n_moe * mean
         t["imbalance"] = n_moe * (busy - mean)
         if m.shared_intermediate:
-            sb = m.mlp_bytes(m.shared_intermediate, "shared") / at
-            fl = 2.0 * b_att * 3 * h * m.shared_intermediate / at
+            ds = dense_split(cfg, st.framework)
+            rows = b_att if ds == at else tokens  # SGLang: the gathered batch over all TP
+            sb = m.mlp_bytes(m.shared_intermediate, "shared") / ds
+            fl = 2.0 * rows * 3 * h * m.shared_intermediate / ds
             t["shared"] = n_moe * env.roofline(sb, fl, env.compute_dtype(m.fmt("shared")))
 
     # embedding (a row per token) and LM head with its logits gather
     if stage == 0:
         other += env.roofline(b_att * h * 2.0, 0.0, "bf16")
     if stage == cfg.pp - 1:
-        fl = 2.0 * b_att * m.vocab * h / at
-        other += env.roofline(m.lm_head_bytes() / at, fl, env.compute_dtype(m.fmt("lm_head")))
+        ds = dense_split(cfg, st.framework)
+        rows = b_att if ds == at else tokens
+        fl = 2.0 * rows * m.vocab * h / ds
+        other += env.roofline(m.lm_head_bytes() / ds, fl, env.compute_dtype(m.fmt("lm_head")))
         gather = cm.nccl("all_gather", b_att * m.vocab * 2.0, at, g, env.tables)
         t["comm"] += gather.us
         if at > 1:

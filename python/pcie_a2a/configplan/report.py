@@ -253,25 +253,27 @@ def asked_lines(p: PlanResult) -> list[str]:
     )
     out += [f"  {n}" for n in a.notes]
     if r is None or not r.modelled:
-        why = r.why_not() if r is not None else a.refused
-        return [*out, f"  cannot run: {why}"]
-    out.append(
-        "  runs" if r.runs else f"  cannot run: {r.why_not()} (predicted anyway, for reference)"
-    )
-    out.append(f"  memory per GPU: {r.memory.summary()}")
+        why = "; ".join(r.reasons[a.framework]) if r is not None else a.refused
+        return [*out, f"  {a.framework} cannot run it: {why}"]
+    fw = a.framework
+    mem = r.mem(fw)
+    if not r.reasons[fw] and mem.fits:
+        out.append(f"  {fw} runs it")
+    else:
+        why = "; ".join(r.reasons[fw]) or "out of memory"
+        out.append(f"  {fw} cannot run it: {why} (predicted anyway, for reference)")
+    out.append(f"  memory per GPU ({fw}'s layout and budget): {mem.summary()}")
     curve = ", ".join(f"C={c} {_tok(v)}" for c, v in r.curve)
     lo, hi = p.stack.band
     out.append(f"  predicted tok/s (band x{lo:.2f}..x{hi:.2f}): {curve}")
-    out.append(
-        f"  C=1: {_band(p, r.steps[1].tpot_us / 1e3, 'ms')} per output token; peak "
-        f"{_band(p, r.peak_tok_s)} at C={r.peak_c}"
-    )
+    peak = f"peak {_band(p, r.peak_tok_s)} at C={r.peak_c}" if r.peak_c else "no peak (no KV room)"
+    out.append(f"  C=1: {_band(p, r.steps[1].tpot_us / 1e3, 'ms')} per output token; {peak}")
     c, tok = under_cap(r, p.inputs.max_tpot_ms)
     if c:
         out.append(f"  under TPOT {p.inputs.max_tpot_ms:g} ms: {_band(p, tok)} at C={c}")
     else:
         out.append(f"  under TPOT {p.inputs.max_tpot_ms:g} ms: no concurrency meets the cap")
-    if r.runs:
+    if not r.reasons[fw] and mem.fits:
         out += _launch_lines(p, r, a.kv_dtype)
     return out
 
@@ -287,7 +289,9 @@ def provenance_lines(p: PlanResult) -> list[str]:
                 if src not in lst:
                     lst.append(src)
     out = []
-    order = {k: i for i, k in enumerate(("measured", "predicted", "derived", "model", "none"))}
+    order = {
+        k: i for i, k in enumerate(("measured", "predicted", "derived", "model", "assumed", "none"))
+    }
     for (kind, term), srcs in sorted(seen.items(), key=lambda kv: (order[kv[0][0]], kv[0][1])):
         more = f" (+{len(srcs) - 1} more)" if len(srcs) > 1 else ""
         out.append(f"  {kind:9s} {term}: {srcs[0]}{more}")

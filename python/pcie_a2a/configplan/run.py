@@ -30,7 +30,7 @@ _SIMPLICITY = {"tp": 0, "allreduce": 1, "ag-rs": 2, "a2a-nccl": 3, "pcie_a2a": 4
 class Result:
     config: Config
     reasons: dict[str, list[str]]
-    memory: Memory
+    memory: Memory  # in the stack's framework's layout and budget
     steps: dict[int, Step] = field(default_factory=dict)  # by concurrency
     peak_c: int = 0
     peak_tok_s: float = 0.0
@@ -38,6 +38,10 @@ class Result:
     prefill: Step | None = None
     prefill_chunk: int = 0
     c_max: int = 0  # most requests the stack batches and the KV cache holds
+    memories: dict[str, Memory] = field(default_factory=dict)  # each framework's own
+
+    def mem(self, fw: str) -> Memory:
+        return self.memories.get(fw, self.memory)
 
     @property
     def launchable(self) -> list[str]:
@@ -45,7 +49,8 @@ class Result:
 
     @property
     def runs(self) -> bool:
-        return bool(self.launchable) and self.memory.fits
+        """Some framework launches it and, in that framework's own layout, it fits."""
+        return any(self.mem(f).fits for f in self.launchable)
 
     @property
     def modelled(self) -> bool:
@@ -59,6 +64,12 @@ class Result:
         parts = []
         if self.modelled and not self.memory.fits:
             parts.append("out of memory: " + self.memory.summary())
+        for fw in self.launchable:
+            if self.mem(fw).fits != self.memory.fits:
+                state = "fits" if self.mem(fw).fits else "out of memory"
+                parts.append(
+                    f"in {fw}'s own layout and budget it {state}: {self.mem(fw).summary()}"
+                )
         common = set(self.reasons["sglang"]) & set(self.reasons["vllm"])
         for r in self.reasons["sglang"]:
             if r in common:
@@ -72,13 +83,42 @@ class Result:
         return "; ".join(parts)
 
 
-def evaluate(env: Env, cfg: Config, gpus: int, concurrencies=CONCURRENCIES) -> Result:
+def _refine(env: Env, cfg: Config, curve: list[tuple[int, float]], cap_ms: float) -> None:
+    """Adds to ``curve`` the largest C between two grid points whose TPOT is still under
+    the cap (bisection; TPOT grows with C), so the capped choice is not a grid artefact."""
+    under = [c for c, tok in curve if tok > 0 and c / tok * 1e3 <= cap_ms]
+    if not under:
+        return
+    lo = max(under)
+    above = [c for c, tok in curve if c > lo]
+    if not above:
+        return
+    hi = min(above)
+    best = None
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        s = step(env, cfg, mid)
+        if s.tpot_us / 1e3 <= cap_ms:
+            lo, best = mid, (mid, s.tok_s)
+        else:
+            hi = mid
+    if best is not None:
+        curve.append(best)
+        curve.sort()
+
+
+def evaluate(
+    env: Env, cfg: Config, gpus: int, concurrencies=CONCURRENCIES, cap_ms: float | None = None
+) -> Result:
     """Rules, memory and (when the layout itself is valid for the model: every split
     divides what it splits) the predicted numbers. A layout only a framework refuses is
     still predicted, as a reference."""
     why = reasons(cfg, env.model, gpus)
-    mem = memory(env.model, cfg, env.gpu, env.stack, env.held, env.kv_bytes)
-    res = Result(cfg, why, mem)
+    mems = {
+        fw: memory(env.model, cfg, env.gpu, env.stack, env.held, env.kv_bytes, fw)
+        for fw in ("sglang", "vllm")
+    }
+    res = Result(cfg, why, mems[env.stack.framework], memories=mems)
     if model_reasons(cfg, env.model, gpus):
         return res
     for c in concurrencies:
@@ -86,6 +126,8 @@ def evaluate(env: Env, cfg: Config, gpus: int, concurrencies=CONCURRENCIES) -> R
     res.peak_c, res.peak_tok_s = peak(env, cfg)
     res.c_max = c_max = max_concurrency(env, cfg)
     res.curve = [(c, step(env, cfg, c).tok_s) for c in concurrency_grid(max(c_max, 1))]
+    if cap_ms is not None:
+        _refine(env, cfg, res.curve, cap_ms)
     chunk, _ = env.stack.prefill_chunk(env.gpu)
     res.prefill_chunk = chunk
     res.prefill = prefill(env, cfg, chunk)
@@ -107,6 +149,8 @@ def under_cap(r: Result, cap_ms: float) -> tuple[int, float]:
     ``cap_ms``; (0, 0.0) when none is."""
     best = (0, 0.0)
     for c, tok in r.curve:
+        if c > r.c_max:  # more requests than the stack batches or the KV cache holds
+            continue
         if tok > 0 and c / tok * 1e3 <= cap_ms and tok > best[1]:
             best = (c, tok)
     return best
@@ -169,5 +213,7 @@ def recommend(
     return Recommendation(best, lat, [best, *ties], note, cap_ms, lat_ties)
 
 
-def evaluate_all(env: Env, gpus: int, redundant: int = 0, payload: str = "fp8") -> list[Result]:
-    return [evaluate(env, c, gpus) for c in candidates(gpus, redundant, payload)]
+def evaluate_all(
+    env: Env, gpus: int, redundant: int = 0, payload: str = "fp8", cap_ms: float | None = None
+) -> list[Result]:
+    return [evaluate(env, c, gpus, cap_ms=cap_ms) for c in candidates(gpus, redundant, payload)]
