@@ -46,7 +46,9 @@ def sglang(cfg: Config, model_id: str, context: int, kv_fp8: bool, chunk: int, s
             args += ["--ep-num-redundant-experts", str(cfg.redundant)]
     if context:
         args += ["--context-length", str(context)]
-    if kv_fp8:
+    if cfg.dcp > 1:
+        args += ["--dcp-size", str(cfg.dcp)]
+    if kv_fp8 or cfg.kv_fp8:
         args += ["--kv-cache-dtype", "fp8_e4m3"]
     if stack is not None:
         if not stack.cuda_graphs and cfg.comm != "pcie_a2a":
@@ -78,7 +80,9 @@ def vllm(cfg: Config, model_id: str, context: int, kv_fp8: bool, chunk: int, sta
         args += ["--enable-eplb", "--eplb-config", shlex.quote(eplb)]
     if context:
         args += ["--max-model-len", str(context)]
-    if kv_fp8:
+    if cfg.dcp > 1:
+        args += ["--decode-context-parallel-size", str(cfg.dcp)]
+    if kv_fp8 or cfg.kv_fp8:
         args += ["--kv-cache-dtype", "fp8"]
     if stack is not None:
         if not stack.cuda_graphs and cfg.comm != "pcie_a2a":

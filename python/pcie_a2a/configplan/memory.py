@@ -137,7 +137,8 @@ def memory(
             act += CUDA_GRAPHS
         else:
             act = 0.0  # inside SGLang's reserve
-        per_req = max(context, 1) * n * model.kv_bytes_per_token(cfg.attn_tp, kv_bytes)
+        kvb = 1.0 if cfg.kv_fp8 else kv_bytes
+        per_req = max(context, 1) * n * model.kv_bytes_per_token(cfg.attn_tp, kvb) / cfg.dcp
         free = budget - weights - buffers - act
         reqs = int(free // per_req) * cfg.attn_dp if free > 0 else 0
         m = Memory(weights, buffers, act, budget, note, per_req, free, reqs)

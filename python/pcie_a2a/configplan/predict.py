@@ -109,7 +109,10 @@ def _stage(
 
     # attention: weights, KV cache read at the context, projections + core FLOPs
     w = m.attention_bytes(at)
-    kv = b_att * ctx * m.kv_bytes_per_token(at, env.kv_bytes)
+    # DCP: each of dcp ranks holds and reads 1/dcp of every request's cache (for the heads
+    # of its dcp group, the FLOPs per rank unchanged)
+    kvb = 1.0 if cfg.kv_fp8 else env.kv_bytes
+    kv = b_att * ctx * m.kv_bytes_per_token(at, kvb) / cfg.dcp
     flops = 2.0 * b_att * m.attention_params_per_rank(at)
     flops += b_att * ctx * m.attention_flops_per_context_token() / at
     t["attention"] = n * env.roofline(w + kv, flops, env.compute_dtype(m.fmt("attention")))
@@ -161,6 +164,16 @@ def _stage(
     t["other"] = other
 
     # communication per layer
+    if cfg.dcp > 1:
+        # vLLM's and SGLang's default DCP exchange (ag_rs): all-gather the queries of the
+        # dcp group's heads, reduce-scatter the partial outputs (+ fp32 log-sum-exp)
+        heads = m.heads / at * cfg.dcp
+        q = b_att * heads * m.kv_bytes_per_token(1, 2.0)
+        o = b_att * heads * (m.kv_lora_rank * 2.0 + 4.0)
+        ag = cm.nccl("all_gather", q, cfg.dcp, g, env.tables)
+        rs = cm.nccl("reduce_scatter", o, cfg.dcp, g, env.tables)
+        t["comm"] += n * (ag.us + rs.us)
+        src["dcp"] = (ag.kind, f"DCP all_gather + reduce_scatter per layer: {ag.source}")
     hid = b_att * h * 2.0
     ar = cm.all_reduce(hid, at, g, env.tables, st.allreduce)
     if cfg.comm in ("tp", "allreduce"):

@@ -158,7 +158,7 @@ def under_cap(r: Result, cap_ms: float) -> tuple[int, float]:
 
 def _simple(r: Result) -> tuple:
     c = r.config
-    return (c.pp, _SIMPLICITY[c.comm], c.attn_dp, c.redundant, c.name)
+    return (c.pp, _SIMPLICITY[c.comm], c.attn_dp, c.dcp, c.kv_fp8, c.redundant, c.name)
 
 
 def recommend(
