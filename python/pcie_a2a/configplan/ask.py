@@ -15,12 +15,13 @@ from .configs import Config
 from .predict import Env
 from .run import Result, evaluate
 
-# flag -> (framework, field); both spellings each framework's parser accepts
+# flag -> (framework, field): the spellings each framework's parser accepts (SGLang's
+# --tp and --dp are argparse abbreviations of --tp-size and --dp-size; its --pp is
+# ambiguous there, so it is not read); "" = both frameworks' flag
 _INT_FLAGS = {
     "--tp-size": ("sglang", "tp"),
     "--tp": ("sglang", "tp"),
     "--pp-size": ("sglang", "pp"),
-    "--pp": ("sglang", "pp"),
     "--dp-size": ("sglang", "dp"),
     "--dp": ("sglang", "dp"),
     "--attn-dp-size": ("sglang", "attn_dp"),
@@ -33,9 +34,9 @@ _INT_FLAGS = {
     "-pp": ("vllm", "pp"),
     "--data-parallel-size": ("vllm", "dp"),
     "-dp": ("vllm", "dp"),
-    "--decode-context-parallel-size": ("vllm", "dcp"),
     "-dcp": ("vllm", "dcp"),
     "--dcp-size": ("sglang", "dcp"),
+    "--decode-context-parallel-size": ("", "dcp"),  # both frameworks spell it so
 }
 _BOOL_FLAGS = {
     "--enable-dp-attention": ("sglang", "dp_attention"),
