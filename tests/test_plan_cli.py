@@ -147,6 +147,7 @@ def test_json_schema(box_doc):
 
 
 def test_cli_prints_and_writes_json_and_png(tmp_path, capsys):
+    pytest.importorskip("matplotlib", reason="the PNG needs matplotlib (pip install matplotlib)")
     png = tmp_path / "plan.png"
     assert run("--topo", str(TOPO), "--json", "--plot", str(png), "--context", "1024") == 0
     doc = json.loads(capsys.readouterr().out)

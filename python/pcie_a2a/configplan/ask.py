@@ -126,13 +126,15 @@ def parse(flags: str) -> tuple[str, dict, list[str]]:
 
 def to_config(framework: str, v: dict, payload: str) -> tuple[Config | None, str]:
     """The plan's configuration for the flags, or (None, why none)."""
+    cfg, why = _layout(framework, v, payload)
+    if cfg is not None and v.get("dcp", 1) > 1:
+        cfg = replace(cfg, dcp=v["dcp"])  # the rules say whether it nests
+    return cfg, why
+
+
+def _layout(framework: str, v: dict, payload: str) -> tuple[Config | None, str]:
     tp, pp, dp = v.get("tp", 1), v.get("pp", 1), v.get("dp", 1)
     red = v.get("redundant", 0)
-    if v.get("dcp", 1) > 1:
-        return None, (
-            f"decode context parallelism (DCP {v['dcp']}) is not modelled by this plan yet: it "
-            "splits the MLA cache that TP replicates (docs/plan.md, what is not modelled)"
-        )
     if framework == "sglang":
         attn_dp = v.get("attn_dp", dp if v.get("dp_attention") else 1)
         if dp > 1 and not v.get("dp_attention") and "attn_dp" not in v:
