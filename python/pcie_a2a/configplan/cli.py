@@ -93,7 +93,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         dest="redundant",
         type=int,
         default=0,
-        help="extra expert slots for EP configurations (EPLB-style placement)",
+        help="extra expert slots for EP configurations (placed by pcie_a2a.balance.eplb)",
     )
     p.add_argument("--payload", default="fp8", help="pcie_a2a dispatch payload: fp8 or bf16")
     p.add_argument("--tables", metavar="FILE", help="JSON replacing measured/assumed tables")
