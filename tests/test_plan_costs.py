@@ -503,3 +503,21 @@ def test_redundant_placement_is_the_products_eplb():
         for x, share in rank:
             assert share == 1.0 / count[x]
     assert sum(share for rank in got.slots for _, share in rank) == pytest.approx(E)
+
+
+@pytest.mark.parametrize("payload", ["fp8", "bf16"])
+def test_row_bytes_are_the_native_wire_format(payload, monkeypatch):
+    """The rows the plan puts on the wire are the native layout's slots; the pure-Python
+    layout it falls back to without the build gives the same bytes. By hand for Kimi
+    (H 7168, top-8): header 16 + ids 32 + weights 32 = 80; fp8 body 7168 + 56 x 4 = 7392
+    -> 7472; bf16 body 14,336 -> 14,416; a 14,336 B bf16 row back."""
+    import sys
+
+    from pcie_a2a.configplan import exchange
+
+    want = {"fp8": (7472, 14336), "bf16": (14416, 14336)}[payload]
+    native = pytest.importorskip("pcie_a2a._transport")
+    assert native.slot_bytes(8, H, 256, K, 2 if payload == "fp8" else 0, 0)[:2] == want
+    assert exchange.row_bytes(H, K, payload) == want
+    monkeypatch.setitem(sys.modules, "pcie_a2a._transport", None)  # as without the build
+    assert exchange.row_bytes(H, K, payload) == want

@@ -51,6 +51,13 @@ class Memory:
         return s + f": out of memory by {-self.kv_free / g:.1f} GiB"
 
 
+def buffer_bytes(world: int, tokens: int, hidden: int, topk: int, payload: str) -> int:
+    """Device bytes of one rank's pcie_a2a Buffer. The one place the plan asks for them:
+    today bench.memory's segment formula; to be pointed at the Buffer's own memory function
+    (transport/memory.py, being added elsewhere) so that there is one formula."""
+    return segment_bytes(world, tokens, hidden, topk, payload)
+
+
 def a2a_tokens_per_rank(framework: str, cfg: Config, chunk: int) -> int:
     """Tokens one rank passes to dispatch in a prefill chunk: SGLang divides the chunk over
     its DP ranks, and with TP attention scatters it over the TP ranks before the MoE; vLLM's
@@ -127,7 +134,7 @@ def memory(
         weights = weights_per_gpu(model, cfg, s, stack.framework)
         buffers = NCCL_BUFFERS
         if cfg.comm == "pcie_a2a":
-            buffers += segment_bytes(
+            buffers += buffer_bytes(
                 cfg.ep, pcie_a2a_tokens(stack, cfg, chunk), model.hidden, model.top_k, cfg.payload
             )
         tokens = max(chunk // cfg.attn_dp, 1)
