@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import argparse
 import shlex
+from dataclasses import replace
 
 from fw_utils import import_framework
 
-from pcie_a2a.configplan import launch
+from pcie_a2a.configplan import ask, launch
 from pcie_a2a.configplan.configs import Config
+from pcie_a2a.configplan.stacks import STACKS
 
 CONFIGS = [
     Config(8),
@@ -22,7 +24,11 @@ CONFIGS = [
     Config(8, 1, 8, 8, "ag-rs", redundant=8),
     Config(8, 1, 4, 8, "pcie_a2a"),
     Config(8, 1, 8, 8, "pcie_a2a", redundant=16),
+    Config(8, dcp=2),
+    Config(8, ep=8, comm="allreduce", dcp=4, kv_fp8=True),
 ]
+# a stack without CUDA graphs, so the lines carry the flag that turns them off
+EAGER = replace(STACKS["vllm-tuned"], cuda_graphs=False)
 
 
 def _options(line: str) -> list[str]:
@@ -30,7 +36,20 @@ def _options(line: str) -> list[str]:
 
 
 def _lines(gen) -> list[str]:
-    return [gen(c, "org/model", 4096, kv, 8192) for c in CONFIGS for kv in (False, True)]
+    return [
+        gen(c, "org/model", 4096, kv, 8192, stack)
+        for c in CONFIGS
+        for kv in (False, True)
+        for stack in (None, STACKS["vllm-tuned"], EAGER)
+    ]
+
+
+def _asked(framework: str) -> list[str]:
+    """The flags `plan --config` reads as this framework's, long and short spellings."""
+    out = [f for f, (fw, _) in ask._INT_FLAGS.items() if fw == framework]
+    out += [f for f, (fw, _) in ask._BOOL_FLAGS.items() if fw == framework]
+    out += [f for f, (fw, _) in ask._STR_FLAGS.items() if fw in (framework, "")]
+    return out
 
 
 def test_sglang_knows_every_flag():
@@ -43,6 +62,12 @@ def test_sglang_knows_every_flag():
     for line in _lines(launch.sglang):
         for opt in _options(line):
             assert opt in known, (opt, line)
+    assert "--disable-cuda-graph" in " ".join(_lines(launch.sglang))
+    for opt in _asked("sglang"):  # known, or an abbreviation argparse resolves uniquely
+        value = {"--moe-a2a-backend": ["none"], "--kv-cache-dtype": ["fp8_e4m3"]}
+        args = [opt] if opt in ask._BOOL_FLAGS else [opt, *value.get(opt, ["2"])]
+        _, rest = parser.parse_known_args(["--model-path", "m", *args])
+        assert not rest, opt
     choices = known["--moe-a2a-backend"].choices
     if choices is not None and "pcie" not in choices:
         from pcie_a2a.integrations import sglang as plugin
@@ -71,3 +96,6 @@ def test_vllm_knows_every_flag(monkeypatch):
     for line in _lines(launch.vllm):
         for opt in _options(line):
             assert opt in known, (opt, line)
+    assert "--enforce-eager" in " ".join(_lines(launch.vllm))
+    for opt in _asked("vllm"):
+        assert opt in known, opt

@@ -14,7 +14,7 @@ from .measured import Measured, read_bench, read_probe
 from .models import ModelShape, load_model
 from .predict import Env
 from .run import Recommendation, Result, evaluate_all, recommend
-from .stacks import Stack, get_stack
+from .stacks import Stack, get_stack, load_stack
 from .tables import Tables, load_tables
 
 
@@ -27,7 +27,9 @@ class Inputs:
     probe: str | None = None
     bench: str | None = None
     context: int = 4096
+    output: int = 1024
     stack: str = "vllm-tuned"
+    stack_file: str | None = None
     kv_dtype: str = "bf16"
     routing: str | None = None
     skew: float = 0.0
@@ -35,12 +37,19 @@ class Inputs:
     redundant: int = 0
     payload: str = "fp8"
     tables: str | None = None
+    max_tpot_ms: float = 50.0
+    config: str | None = None  # a configuration in SGLang's or vLLM's own flags
 
     def check(self) -> None:
         if self.gpus is not None and (not isinstance(self.gpus, int) or self.gpus < 1):
             raise ValueError(f"--gpus: got {self.gpus!r}; allowed: an int >= 1")
         if not isinstance(self.context, int) or self.context < 0:
             raise ValueError(f"--context: got {self.context!r}; allowed: an int >= 0 (tokens)")
+        if not isinstance(self.output, int) or self.output < 1:
+            raise ValueError(f"--output: got {self.output!r}; allowed: an int >= 1 (tokens)")
+        tpot = self.max_tpot_ms
+        if isinstance(tpot, bool) or not isinstance(tpot, (int, float)) or not tpot > 0:
+            raise ValueError(f"--max-tpot-ms: got {tpot!r}; allowed: a number > 0 (ms)")
         if self.kv_dtype not in ("bf16", "fp8"):
             raise ValueError(f"--kv-cache-dtype: got {self.kv_dtype!r}; allowed: bf16, fp8")
         if self.payload not in ("bf16", "fp8"):
@@ -66,6 +75,12 @@ class PlanResult:
     topology_note: str
     measured: Measured
     notes: list[str] = field(default_factory=list)
+    assumed: list[str] = field(default_factory=list)  # said in the first lines
+    asked: object | None = None  # the --config explanation (configplan.ask.Asked)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.inputs.context + self.inputs.output
 
 
 def make_plan(inp: Inputs) -> PlanResult:
@@ -77,11 +92,13 @@ def make_plan(inp: Inputs) -> PlanResult:
     gen_hint = gpu_hint.pcie_gen if gpu_hint else 5
     topo, carried, topo_note = topo_src.resolve(inp.topo, inp.gpus, gen_hint)
     gpu = gpu_hint
+    gpu_named = gpu is not None
     if gpu is None:
         names = {g.name for g in topo.gpus if g.name}
         found = {identify(n) for n in names} - {None}
         if len(found) == 1:
             gpu = found.pop()
+            gpu_named = True
             notes.append(f"GPU from the topology's names: {gpu.name}")
         else:
             gpu = get_gpu("rtx-pro-6000")
@@ -96,15 +113,24 @@ def make_plan(inp: Inputs) -> PlanResult:
     if n < topo.num_gpus:
         notes.append(f"planning {n} of the topology's {topo.num_gpus} GPUs (GPU0..GPU{n - 1})")
     measured = Measured()
+    assumed: list[str] = []
     if inp.probe:
         read_probe(inp.probe, measured)
     elif carried is not None:
         measured.probe, measured.probe_source = carried, topo.source
-    elif inp.topo and not Path(inp.topo).is_file():
-        companion = topo_src.probe_companion(inp.topo)
+    elif inp.topo:
+        path = Path(inp.topo)
+        companion = (
+            topo_src.companion_of(path) if path.is_file() else topo_src.probe_companion(inp.topo)
+        )
         if companion is not None:
             read_probe(str(companion), measured)
-            notes.append(f"fixture {inp.topo}: its measured pairs {companion.name} used as --probe")
+            notes.append(f"{inp.topo}: its measured pairs {companion} used as --probe")
+    if not measured.probe:
+        assumed.append(
+            "pair bandwidths and latencies (pcie_a2a exchanges, PP sends) are the topology "
+            "planner's estimates from the link classes, not measured (--probe FILE)"
+        )
     if inp.bench:
         read_bench(inp.bench, measured)
     notes += measured.notes
@@ -112,7 +138,7 @@ def make_plan(inp: Inputs) -> PlanResult:
         routing = load_routing(inp.routing, model.experts)
     else:
         routing = zipf(model.experts, inp.skew, inp.seed)
-    stack = fit(get_stack(inp.stack), tables)
+    stack = fit(load_stack(inp.stack_file) if inp.stack_file else get_stack(inp.stack), tables)
     link_gen = gpu.pcie_gen
     exchanges = Exchanges(topo, measured, link_gen)
     env = Env(
@@ -121,11 +147,29 @@ def make_plan(inp: Inputs) -> PlanResult:
         stack,
         tables,
         routing,
-        inp.context,
+        inp.context + inp.output // 2,  # the mean context of a decode step
         1.0 if inp.kv_dtype == "fp8" else 2.0,
         exchanges,
+        held_context=inp.context + inp.output,
     )
-    results = evaluate_all(env, n, inp.redundant, inp.payload)
+    if not gpu_named:
+        assumed.append(f"the GPU: {gpu.name} (--gpu)")
+    if topo_note.startswith("no topology"):
+        assumed.append("the box: " + topo_note)
+    if gpu.key != "rtx-pro-6000":
+        assumed.append(
+            "collective tables: measured on 8x RTX PRO 6000, scaled to this GPU's link capacity"
+        )
+    assumed.append(
+        "kernel efficiencies (memory 0.85, tensor 0.6) and launch gaps are assumptions "
+        "(docs/plan.md); the stack's host costs are fitted"
+    )
+    results = evaluate_all(env, n, inp.redundant, inp.payload, inp.max_tpot_ms)
+    asked = None
+    if inp.config:
+        from .ask import explain
+
+        asked = explain(inp.config, env, n, results, inp.max_tpot_ms)
     notes += exchanges.notes
     return PlanResult(
         inp,
@@ -137,8 +181,10 @@ def make_plan(inp: Inputs) -> PlanResult:
         routing,
         env,
         results,
-        recommend(results),
+        recommend(results, cap_ms=inp.max_tpot_ms, band=stack.band),
         topo_note,
         measured,
         notes,
+        assumed,
+        asked,
     )

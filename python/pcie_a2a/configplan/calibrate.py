@@ -3,9 +3,11 @@
 The calibration box is the one the numbers were measured on: Kimi K2.6 INT4 on 8x RTX PRO
 6000, context ~0 (the tuned pages say so; the stock numbers do not, and are taken the
 same), uniform routing. Every other term of the model is fixed (sourced tables, assumed
-efficiencies); the overhead is linear in ``layer_us`` and ``expert_us``, so the fit is a
-non-negative least-squares problem on the relative error of the step time, iterated for a
-"peak" point (whose concurrency moves with the constants). The residuals are printed.
+efficiencies, counted kernels); the step is linear in the stack's two host costs
+``step_us`` and ``request_us``, so the fit is a non-negative least-squares problem on the
+relative error of the step time, iterated for a "peak" point (whose concurrency moves with
+the constants). Then each point is predicted by the fit made without it (leave-one-out):
+those residuals, not the in-sample ones, are the band every predicted figure carries.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ def concurrency_grid(c_max: int) -> list[int]:
 
 
 def max_concurrency(env: Env, cfg: Config) -> int:
-    mem = memory(env.model, cfg, env.gpu, env.stack, env.context, env.kv_bytes)
+    mem = memory(env.model, cfg, env.gpu, env.stack, env.held, env.kv_bytes)
     bs, _ = env.stack.max_batch(env.gpu, cfg)
     return max(0, min(mem.max_requests, bs * cfg.attn_dp))
 
@@ -74,11 +76,11 @@ def calibration_env(stack: Stack, tables: Tables) -> Env:
 
 
 def _terms(env: Env, cfg: Config, c: int) -> tuple[float, float, float]:
-    """(T at zero overhead, dT/d layer_us, dT/d expert_us) of a decode step, µs."""
-    base = replace(env.stack, layer_us=0.0, expert_us=0.0)
+    """(T at zero host cost, dT/d step_us, dT/d request_us) of a decode step, µs."""
+    base = replace(env.stack, step_us=0.0, request_us=0.0)
     t0 = step(replace(env, stack=base, _loads=env._loads), cfg, c).tpot_us
-    t1 = step(replace(env, stack=replace(base, layer_us=1.0), _loads=env._loads), cfg, c).tpot_us
-    t2 = step(replace(env, stack=replace(base, expert_us=1.0), _loads=env._loads), cfg, c).tpot_us
+    t1 = step(replace(env, stack=replace(base, step_us=1.0), _loads=env._loads), cfg, c).tpot_us
+    t2 = step(replace(env, stack=replace(base, request_us=1.0), _loads=env._loads), cfg, c).tpot_us
     return t0, t1 - t0, t2 - t0
 
 
@@ -110,41 +112,62 @@ def _nnls2(rows: list[tuple[float, float, float]], fit_y: bool) -> tuple[float, 
     return min(options, key=lambda o: cost(*o))
 
 
-def fit(stack: Stack, tables: Tables | None = None) -> Stack:
-    """``stack`` with its fitted constants and residuals."""
-    tables = tables or Tables()
-    env = calibration_env(stack, tables)
-    # a peak point starts at the most requests the stack batches, then follows the model
+def _fit_points(env: Env, points) -> tuple[Env, dict[int, int]]:
+    """The environment with the fitted host costs for ``points``, and each point's C."""
     conc = {
         i: p.concurrency if p.concurrency is not None else max_concurrency(env, p.config)
-        for i, p in enumerate(stack.points)
+        for i, p in enumerate(points)
     }
-    x = y = 0.0
     for _ in range(12):
         rows = []
-        for i, p in enumerate(stack.points):
+        for i, p in enumerate(points):
             c = conc[i]
             t0, a, b = _terms(env, p.config, c)
             target = c / p.tok_s * 1e6
             rows.append((a / target, b / target, (target - t0) / target))
-        x, y = _nnls2(rows, stack.fit_expert)
-        fitted = replace(env.stack, layer_us=x, expert_us=y)
-        env = replace(env, stack=fitted)
+        x, y = _nnls2(rows, True)
+        env = replace(env, stack=replace(env.stack, step_us=x, request_us=y))
         moved = False
-        for i, p in enumerate(stack.points):
+        for i, p in enumerate(points):
             if p.concurrency is None:
                 c, _ = peak(env, p.config)
                 moved |= c != conc.get(i)
                 conc[i] = c
         if not moved:
             break
+    return env, conc
+
+
+def _predict_point(env: Env, p) -> tuple[str, float]:
+    if p.concurrency is None:
+        c, r = peak(env, p.config)
+        return f"{p.config.name} peak (model peak at C={c})", r
+    return f"{p.config.name} C={p.concurrency}", step(env, p.config, p.concurrency).tok_s
+
+
+def fit(stack: Stack, tables: Tables | None = None) -> Stack:
+    """``stack`` with its fitted host costs, in-sample and leave-one-out residuals. A
+    stack ``like`` a shipped one takes that one's fit and band."""
+    tables = tables or Tables()
+    if stack.like:
+        from .stacks import STACKS
+
+        base = fit(STACKS[stack.like], tables)
+        return stack.with_fit(base.step_us, base.request_us, base.residuals, base.loo)
+    if not stack.points:
+        raise ValueError(f"stack {stack.name}: no calibration numbers and no 'like' stack")
+    env0 = calibration_env(stack, tables)
+    env, _ = _fit_points(env0, stack.points)
     residuals = []
     for p in stack.points:
-        if p.concurrency is None:
-            c, r = peak(env, p.config)
-            label = f"{p.config.name} peak (model peak at C={c})"
-        else:
-            r = step(env, p.config, p.concurrency).tok_s
-            label = f"{p.config.name} C={p.concurrency}"
+        label, r = _predict_point(env, p)
         residuals.append((label, p.tok_s, r))
-    return stack.with_fit(x, y, residuals)
+    loo = []
+    if len(stack.points) > 1:
+        for i, p in enumerate(stack.points):
+            rest = [q for j, q in enumerate(stack.points) if j != i]
+            env_i, _ = _fit_points(env0, rest)
+            label, r = _predict_point(env_i, p)
+            loo.append((f"{label} [{p.tag}]", p.tok_s, r))
+    s = env.stack
+    return stack.with_fit(s.step_us, s.request_us, residuals, loo)

@@ -46,10 +46,37 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "--context",
         type=int,
         default=4096,
-        help="tokens per request at the decode step: KV cache read and held (default 4096)",
+        help="prompt tokens per request (default 4096)",
+    )
+    p.add_argument(
+        "--output",
+        type=int,
+        default=1024,
+        help="output tokens per request (default 1024): a decode step reads context + output/2 "
+        "on average; --max-model-len / --context-length = context + output",
+    )
+    p.add_argument(
+        "--max-tpot-ms",
+        dest="max_tpot_ms",
+        type=float,
+        default=50.0,
+        help="time-per-output-token cap of the throughput recommendation (default 50 ms)",
+    )
+    p.add_argument(
+        "--config",
+        metavar="FLAGS",
+        help="explain one configuration named in SGLang's or vLLM's own flags, e.g. "
+        '"--tp-size 4 --ep-size 2" or "--tensor-parallel-size 2 --data-parallel-size 4 '
+        '--enable-expert-parallel"',
     )
     p.add_argument(
         "--stack", default="vllm-tuned", help=f"{', '.join(STACKS)} (default vllm-tuned)"
+    )
+    p.add_argument(
+        "--stack-file",
+        dest="stack_file",
+        metavar="FILE",
+        help="JSON of your own stack (parts and calibration numbers; docs/plan.md)",
     )
     p.add_argument("--kv-cache-dtype", dest="kv_dtype", default="bf16", help="bf16 or fp8")
     p.add_argument(
@@ -66,7 +93,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         dest="redundant",
         type=int,
         default=0,
-        help="extra expert slots for EP configurations (EPLB-style placement)",
+        help="extra expert slots for EP configurations (placed by pcie_a2a.balance.eplb)",
     )
     p.add_argument("--payload", default="fp8", help="pcie_a2a dispatch payload: fp8 or bf16")
     p.add_argument("--tables", metavar="FILE", help="JSON replacing measured/assumed tables")
@@ -91,7 +118,11 @@ def run(args: argparse.Namespace) -> int:
             probe=args.probe,
             bench=args.bench,
             context=args.context,
+            output=args.output,
             stack=args.stack,
+            stack_file=args.stack_file,
+            max_tpot_ms=args.max_tpot_ms,
+            config=args.config,
             kv_dtype=args.kv_dtype,
             routing=args.routing,
             skew=args.skew,

@@ -21,7 +21,7 @@ from .tables import KB, MB, Tables
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "alltoall")
 
 
-KINDS = ("measured", "predicted", "derived", "model", "none")
+KINDS = ("measured", "predicted", "derived", "model", "assumed", "none")
 
 
 @dataclass(frozen=True)
@@ -84,25 +84,29 @@ def nccl(op: str, size: float, n: int, gpu: Gpu, t: Tables) -> Cost:
 
 def all_reduce(size: float, n: int, gpu: Gpu, t: Tables, mode: str) -> Cost:
     """``mode``: ``nccl`` (stock: the engines turn their custom all-reduce off above 2 PCIe
-    GPUs) or ``tuned`` (custom PCIe all-reduce up to ``custom_ar_max_bytes``, patched NCCL
-    above)."""
+    GPUs), ``custom`` (a PCIe custom all-reduce up to ``custom_ar_max_bytes``, patched NCCL
+    above) or ``pcie_a2a`` (``pcie_a2a.AllReduce``: the same one-shot class of algorithm,
+    costed from the same measured table because it has never run on a GPU)."""
     if n <= 1 or size <= 0:
         return ZERO
     stock = nccl("all_reduce", size, n, gpu, t)
     if mode == "nccl":
         return stock
-    if mode != "tuned":
-        raise ValueError(f"all-reduce mode {mode!r}: allowed nccl, tuned")
+    if mode not in ("custom", "pcie_a2a"):
+        raise ValueError(f"all-reduce mode {mode!r}: allowed nccl, custom, pcie_a2a")
     if size <= t.custom_ar_max_bytes:
         table = t.custom_ar8 if n > 4 else t.custom_ar4
-        us = table(size)
-        if gpu.key != "rtx-pro-6000":
+        us = min(table(size), stock.us)
+        if mode == "pcie_a2a":
             return Cost(
-                min(us, stock.us),
-                "derived",
-                f"RTX PRO 6000 custom all-reduce table: {table.source}",
+                us,
+                "assumed",
+                "pcie_a2a.AllReduce, never run on a GPU: taken as the measured PCIe one-shot "
+                f"all-reduce ({table.source})",
             )
-        return Cost(min(us, stock.us), "measured", f"custom all-reduce table: {table.source}")
+        if gpu.key != "rtx-pro-6000":
+            return Cost(us, "derived", f"RTX PRO 6000 custom all-reduce table: {table.source}")
+        return Cost(us, "measured", f"custom all-reduce table: {table.source}")
     busbw = t.tuned_nccl_busbw_gbps * 1e3 * link_gbps(gpu) / t.reference_link_gbps
     floor = nccl("all_reduce", 4 * KB, n, gpu, t).us
     us = floor + bus_factor("all_reduce", n) * size / busbw

@@ -22,7 +22,7 @@ inside a rank). ``comm`` says how tokens meet their experts:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 COMMS = ("tp", "allreduce", "ag-rs", "a2a-nccl", "pcie_a2a")
 _COMM_LABEL = {
@@ -43,11 +43,13 @@ class Config:
     redundant: int = 0
     payload: str = "fp8"  # pcie_a2a dispatch payload
     tried: bool = False  # a configuration users try, listed to show why it fails
+    dcp: int = 1  # decode context parallelism: the KV cache split over dcp attention ranks
+    kv_fp8: bool = False  # fp8 KV cache whatever the plan's --kv-cache-dtype
 
     def __post_init__(self) -> None:
         if self.comm not in COMMS:
             raise ValueError(f"comm {self.comm!r}: allowed {', '.join(COMMS)}")
-        for name in ("tp", "pp", "attn_dp", "ep"):
+        for name in ("tp", "pp", "attn_dp", "ep", "dcp"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}: got {v!r}; allowed: an int >= 1")
@@ -78,22 +80,27 @@ class Config:
         else:
             att = f"TP{self.tp}"
         pp = f"xPP{self.pp}" if self.pp > 1 else ""
+        tail = (f" DCP{self.dcp}" if self.dcp > 1 else "") + (" fp8-KV" if self.kv_fp8 else "")
         if self.comm == "tp":
-            return att + pp
+            return att + pp + tail
         moe = f"+EP{self.ep} {_COMM_LABEL[self.comm]}"
         if self.redundant:
             moe += f" +{self.redundant} redundant"
-        return att + pp + moe
+        return att + pp + moe + tail
 
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidates(num_gpus: int, redundant: int = 0, payload: str = "fp8") -> list[Config]:
+def candidates(
+    num_gpus: int, redundant: int = 0, payload: str = "fp8", kv_variants: bool = True
+) -> list[Config]:
     """The configurations the plan evaluates on ``num_gpus`` GPUs (the expert-parallel ones
-    with and without ``redundant`` extra expert slots), then the ones users try that cannot
-    run (each is listed with its reason)."""
+    with and without ``redundant`` extra expert slots; with TP attention, decode context
+    parallelism over 2.. TP ranks; with ``kv_variants``, each single-stage layout also with
+    an fp8 KV cache), then the ones users try that cannot run (each listed with its
+    reason)."""
     out: list[Config] = []
     slots = (0, redundant) if redundant else (0,)  # with and without redundant experts
     for pp in _divisors(num_gpus):
@@ -103,12 +110,20 @@ def candidates(num_gpus: int, redundant: int = 0, payload: str = "fp8") -> list[
             continue
         out.append(Config(tp, pp))
         out += [Config(tp, pp, 1, tp, "allreduce", r) for r in slots]
+        # EP smaller than TP (MoE TP inside each EP rank): SGLang accepts it, vLLM cannot
+        out += [Config(tp, pp, 1, e, "allreduce") for e in _divisors(tp)[1:-1]]
         if pp > 1:
             continue
         out += [Config(tp, 1, 1, tp, "pcie_a2a", r, payload) for r in slots]  # TP attention
         for dp in _divisors(tp)[1:]:
             for comm in ("ag-rs", "a2a-nccl", "pcie_a2a"):
                 out += [Config(tp, 1, dp, tp, comm, r, payload) for r in slots]
+    base = [c for c in out if c.pp == 1 and c.redundant == 0 and c.attn_dp == 1]
+    base = [c for c in base if c.comm in ("tp", "allreduce") and c.ep in (1, c.tp)]
+    for c in base:  # DCP: the MLA cache TP replicates, split over dcp of the TP ranks
+        out += [replace(c, dcp=d) for d in _divisors(c.tp)[1:]]
+    if kv_variants:
+        out += [replace(c, kv_fp8=True) for c in list(out) if c.pp == 1 and not c.redundant]
     if num_gpus >= 4:
         n = num_gpus
         out += [

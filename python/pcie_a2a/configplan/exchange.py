@@ -22,14 +22,33 @@ from .configs import Config
 from .imbalance import place, rank_hit_probability
 from .measured import Measured
 
+_PAYLOAD_CODE = {"bf16": 0, "fp8": 2}  # csrc/core/numeric.h Payload
+
+
+def _up16(n: int) -> int:
+    return (n + 15) // 16 * 16
+
+
+def row_bytes(hidden: int, topk: int, payload: str) -> tuple[int, int]:
+    """(dispatch, combine) row bytes on the wire. The truth is the native layout
+    (``_transport.slot_bytes``, csrc/core/wire_format.h); without the native build the same
+    layout is computed here (16-byte header, top-k int32 ids and fp32 weights, then bf16
+    hidden or fp8 hidden + an fp32 scale per 128 channels, each part 16-byte aligned; a
+    bf16 row back), and a test pins the two equal where the build exists."""
+    try:
+        from pcie_a2a import _transport
+    except ImportError:
+        _transport = None
+    if _transport is not None:
+        d, c, _ = _transport.slot_bytes(2, hidden, 1, topk, _PAYLOAD_CODE[payload], 0)
+        return int(d), int(c)
+    head = 16 + 2 * _up16(4 * topk)
+    body = _up16(hidden) + _up16(4 * (hidden // 128)) if payload == "fp8" else _up16(2 * hidden)
+    return _up16(head + body), _up16(2 * hidden)
+
 
 def dispatch_row_bytes(hidden: int, topk: int, payload: str) -> float:
-    """A dispatch row on the wire (csrc/core/wire_format.h): 16-byte header, top-k local ids
-    and weights, then bf16 hidden or fp8 hidden + one fp32 scale per 128 channels."""
-    meta = 16 + 8 * topk
-    if payload == "fp8":
-        return meta + hidden + 4 * (hidden // 128)
-    return meta + 2 * hidden
+    return float(row_bytes(hidden, topk, payload)[0])
 
 
 @dataclass
@@ -117,7 +136,7 @@ class Exchanges:
             )
 
         disp = Traffic("dispatch", matrix(dispatch_row_bytes(m.hidden, m.top_k, cfg.payload)))
-        comb = Traffic("combine", matrix(2.0 * m.hidden))
+        comb = Traffic("combine", matrix(float(row_bytes(m.hidden, m.top_k, cfg.payload)[1])))
         reports = with_reports(self.topo_plan, [disp, comb]).reports
         us = sum(r.predicted_us for r in reports) + 2 * env.tables.pcie_a2a_call_us
         return cm.Cost(

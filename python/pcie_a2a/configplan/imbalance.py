@@ -7,10 +7,9 @@ token counts of a routing-statistics file. A token picks expert e with probabili
 ``p_e`` (``sum p_e = k``, ``p_e <= 1``).
 
 Placement: contiguous blocks of E / ranks experts (SGLang's and vLLM's default) or, with
-``redundant`` extra slots, DeepSeek EPLB's greedy rule (each extra replica goes to the
-expert with the highest load per replica; research/field_2026.md s7) followed by packing
-the slots largest-first onto the least-loaded rank with room. A replica takes an equal
-share of its expert's tokens.
+``redundant`` extra slots, the placement the product ships (``pcie_a2a.balance.eplb``:
+DeepSeek EPLB's global policy, research/field_2026.md s7). A replica takes an equal share
+of its expert's tokens.
 
 Per rank r the rows it computes are approximated as Binomial(B k, Q_r / k), Q_r = its
 expected rows per token (a token's k picks treated as independent draws: the variance is
@@ -142,25 +141,14 @@ def place(routing: Routing, ranks: int, redundant: int = 0) -> Placement:
         per = e // ranks
         slots = tuple(tuple((r * per + j, 1.0) for j in range(per)) for r in range(ranks))
         return Placement(slots, 0, "contiguous blocks")
-    load = np.asarray(routing.share)
-    replicas = np.ones(e, dtype=np.int64)
-    for _ in range(redundant):
-        replicas[int(np.argmax(load / replicas))] += 1
-    items = [(load[x] / replicas[x], x, replicas[x]) for x in range(e) for _ in range(replicas[x])]
-    items.sort(key=lambda t: (-t[0], t[1]))
-    cap = (e + redundant) // ranks
-    rank_load = [0.0] * ranks
-    out: list[list[tuple[int, float]]] = [[] for _ in range(ranks)]
-    for w, x, n in items:
-        free = [r for r in range(ranks) if len(out[r]) < cap and all(s[0] != x for s in out[r])]
-        if not free:  # every rank with room already holds a copy: allow a second one
-            free = [r for r in range(ranks) if len(out[r]) < cap]
-        r = min(free, key=lambda q: (rank_load[q], q))
-        out[r].append((x, 1.0 / n))
-        rank_load[r] += w
-    return Placement(
-        tuple(tuple(s) for s in out), redundant, f"EPLB-style greedy, {redundant} redundant"
-    )
+    # the placement the product ships (pcie_a2a.balance.eplb: DeepSeek EPLB's global
+    # policy, an expert's tokens split equally over its replicas), not a copy of it
+    from pcie_a2a.balance.eplb import eplb
+
+    table = eplb(np.asarray(routing.share), ranks, redundant)
+    count = np.bincount(table.reshape(-1), minlength=e)
+    slots = tuple(tuple((int(x), 1.0 / int(count[x])) for x in row) for row in table)
+    return Placement(slots, redundant, f"EPLB (pcie_a2a.balance.eplb), {redundant} redundant")
 
 
 @dataclass(frozen=True)

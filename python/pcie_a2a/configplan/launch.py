@@ -19,8 +19,10 @@ def _model_arg(model_id: str) -> str:
     return shlex.quote(model_id)
 
 
-def sglang(cfg: Config, model_id: str, context: int, kv_fp8: bool, chunk: int) -> str:
-    env, args = [], ["python -m sglang.launch_server", "--model-path", _model_arg(model_id)]
+def sglang(cfg: Config, model_id: str, context: int, kv_fp8: bool, chunk: int, stack=None) -> str:
+    """``context``: the longest request (prompt + output), SGLang's --context-length."""
+    env = list(stack.env) if stack is not None else []
+    args = ["python -m sglang.launch_server", "--model-path", _model_arg(model_id)]
     args += ["--trust-remote-code", "--tp-size", str(cfg.tp)]
     if cfg.pp > 1:
         args += ["--pp-size", str(cfg.pp)]
@@ -44,13 +46,20 @@ def sglang(cfg: Config, model_id: str, context: int, kv_fp8: bool, chunk: int) -
             args += ["--ep-num-redundant-experts", str(cfg.redundant)]
     if context:
         args += ["--context-length", str(context)]
-    if kv_fp8:
+    if cfg.dcp > 1:
+        args += ["--dcp-size", str(cfg.dcp)]
+    if kv_fp8 or cfg.kv_fp8:
         args += ["--kv-cache-dtype", "fp8_e4m3"]
+    if stack is not None:
+        if not stack.cuda_graphs and cfg.comm != "pcie_a2a":
+            args += ["--disable-cuda-graph"]
+        args += list(stack.flags.get("sglang", ()))
     return " ".join(env + args)
 
 
-def vllm(cfg: Config, model_id: str, context: int, kv_fp8: bool, chunk: int) -> str:
-    env = []
+def vllm(cfg: Config, model_id: str, context: int, kv_fp8: bool, chunk: int, stack=None) -> str:
+    """``context``: the longest request (prompt + output), vLLM's --max-model-len."""
+    env = list(stack.env) if stack is not None else []
     args = ["vllm serve", _model_arg(model_id), "--trust-remote-code"]
     args += ["--tensor-parallel-size", str(cfg.attn_tp)]
     if cfg.pp > 1:
@@ -71,13 +80,23 @@ def vllm(cfg: Config, model_id: str, context: int, kv_fp8: bool, chunk: int) -> 
         args += ["--enable-eplb", "--eplb-config", shlex.quote(eplb)]
     if context:
         args += ["--max-model-len", str(context)]
-    if kv_fp8:
+    if cfg.dcp > 1:
+        args += ["--decode-context-parallel-size", str(cfg.dcp)]
+    if kv_fp8 or cfg.kv_fp8:
         args += ["--kv-cache-dtype", "fp8"]
+    if stack is not None:
+        if not stack.cuda_graphs and cfg.comm != "pcie_a2a":
+            args += ["--enforce-eager"]
+        args += list(stack.flags.get("vllm", ()))
     return " ".join(env + args)
 
 
-def commands(cfg: Config, model_id: str, context: int, kv_fp8: bool, chunks: dict) -> dict:
+def commands(
+    cfg: Config, model_id: str, context: int, kv_fp8: bool, chunks: dict, stack=None
+) -> dict:
+    """Both frameworks' lines with what the stack's numbers assume (its environment and
+    flags); ``context`` is prompt + output tokens."""
     return {
-        "sglang": sglang(cfg, model_id, context, kv_fp8, chunks["sglang"]),
-        "vllm": vllm(cfg, model_id, context, kv_fp8, chunks["vllm"]),
+        "sglang": sglang(cfg, model_id, context, kv_fp8, chunks["sglang"], stack),
+        "vllm": vllm(cfg, model_id, context, kv_fp8, chunks["vllm"], stack),
     }

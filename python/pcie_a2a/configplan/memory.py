@@ -9,7 +9,7 @@ MoE TP. The busiest pipeline stage counts (the most layers, and the embedding or
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pcie_a2a.bench.memory import segment_bytes
 
@@ -51,6 +51,13 @@ class Memory:
         return s + f": out of memory by {-self.kv_free / g:.1f} GiB"
 
 
+def buffer_bytes(world: int, tokens: int, hidden: int, topk: int, payload: str) -> int:
+    """Device bytes of one rank's pcie_a2a Buffer. The one place the plan asks for them:
+    today bench.memory's segment formula; to be pointed at the Buffer's own memory function
+    (transport/memory.py, being added elsewhere) so that there is one formula."""
+    return segment_bytes(world, tokens, hidden, topk, payload)
+
+
 def a2a_tokens_per_rank(framework: str, cfg: Config, chunk: int) -> int:
     """Tokens one rank passes to dispatch in a prefill chunk: SGLang divides the chunk over
     its DP ranks, and with TP attention scatters it over the TP ranks before the MoE; vLLM's
@@ -79,19 +86,30 @@ def stage_layers(model: ModelShape, pp: int) -> list[tuple[int, int]]:
     return out
 
 
-def weights_per_gpu(model: ModelShape, cfg: Config, stage: int) -> float:
+def dense_split(cfg: Config, framework: str) -> int:
+    """GPUs the shared expert and LM head are split over. SGLang with DP attention and the
+    MoE on all-gathered tokens (a2a none) runs them on the gathered batch split over the
+    whole TP group (its DeepSeek model: shared experts and the vocab-parallel LM head use
+    the tp group); vLLM, and SGLang under an a2a backend, keep them per attention group."""
+    if framework == "sglang" and cfg.attn_dp > 1 and cfg.comm == "ag-rs":
+        return cfg.tp
+    return cfg.attn_tp
+
+
+def weights_per_gpu(model: ModelShape, cfg: Config, stage: int, framework: str = "vllm") -> float:
     n, n_moe = stage_layers(model, cfg.pp)[stage]
     at = cfg.attn_tp
+    ds = dense_split(cfg, framework)
     w = n * model.attention_bytes(at)
     slots = (model.experts + cfg.redundant) / cfg.ep if cfg.ep > 1 else model.experts
     w += n_moe * (slots * model.expert_bytes() / cfg.moe_tp + model.router_bytes())
     if model.shared_intermediate:
-        w += n_moe * model.mlp_bytes(model.shared_intermediate, "shared") / at
+        w += n_moe * model.mlp_bytes(model.shared_intermediate, "shared") / ds
     w += (n - n_moe) * model.mlp_bytes(model.dense_intermediate, "dense") / at
     if stage == 0:
         w += model.embedding_bytes() / at
     if stage == cfg.pp - 1 and not model.tie_embeddings:
-        w += model.lm_head_bytes() / at
+        w += model.lm_head_bytes() / ds
     return w + model.extra_weight_bytes
 
 
@@ -102,16 +120,21 @@ def memory(
     stack: Stack,
     context: int,
     kv_bytes: float,
+    framework: str | None = None,
 ) -> Memory:
+    """Per GPU on the busiest stage, in ``framework``'s layout and budget (default: the
+    stack's own)."""
+    if framework is not None and framework != stack.framework:
+        stack = replace(stack, framework=framework)
     budget, note = stack.memory_budget(gpu, cfg)
     chunk, _ = stack.prefill_chunk(gpu)
     worst = None
     for s in range(cfg.pp):
         n = stage_layers(model, cfg.pp)[s][0]
-        weights = weights_per_gpu(model, cfg, s)
+        weights = weights_per_gpu(model, cfg, s, stack.framework)
         buffers = NCCL_BUFFERS
         if cfg.comm == "pcie_a2a":
-            buffers += segment_bytes(
+            buffers += buffer_bytes(
                 cfg.ep, pcie_a2a_tokens(stack, cfg, chunk), model.hidden, model.top_k, cfg.payload
             )
         tokens = max(chunk // cfg.attn_dp, 1)
@@ -121,7 +144,8 @@ def memory(
             act += CUDA_GRAPHS
         else:
             act = 0.0  # inside SGLang's reserve
-        per_req = max(context, 1) * n * model.kv_bytes_per_token(cfg.attn_tp, kv_bytes)
+        kvb = 1.0 if cfg.kv_fp8 else kv_bytes
+        per_req = max(context, 1) * n * model.kv_bytes_per_token(cfg.attn_tp, kvb) / cfg.dcp
         free = budget - weights - buffers - act
         reqs = int(free // per_req) * cfg.attn_dp if free > 0 else 0
         m = Memory(weights, buffers, act, budget, note, per_req, free, reqs)

@@ -4,9 +4,13 @@ term by term, on the busiest GPU of each pipeline stage.
 Each compute term is a roofline, ``max(bytes / (bandwidth x memory_efficiency),
 flops / (peak x tensor_efficiency))``; routed experts are further divided by the GEMM
 efficiency at their rows per expert. Communication terms come from :mod:`.comm` and
-:mod:`.exchange`; the stack adds its fitted overhead. A pipeline of ``pp`` stages runs
-``min(pp, C)`` micro-batches: time per output token is the larger of one trip through all
-stages and ``micro-batches x slowest stage``.
+:mod:`.exchange`, each collective from its table. Overheads sit where they occur:
+``launch`` is the kernels a stage runs (counted per layer, below) times the gap one launch
+leaves (graph replay or eager, :mod:`.tables`); ``framework`` is the stack's host time per
+forward pass and per request in it, once per micro-batch, on the first stage (the
+scheduler feeds the pipeline). A pipeline of ``pp`` stages runs ``min(pp, C)`` micro-batches:
+time per output token is the larger of one trip through all stages and ``micro-batches x
+slowest stage``; ``bubble`` is what that leaves idle on the average stage.
 """
 
 from __future__ import annotations
@@ -18,12 +22,25 @@ from .configs import Config
 from .exchange import Exchanges
 from .gpus import Gpu
 from .imbalance import Routing, place, rank_load
-from .memory import ceil_div, stage_layers
+from .memory import ceil_div, dense_split, stage_layers
 from .models import ModelShape, WeightFormat
 from .stacks import Stack
 from .tables import Tables
 
-TERMS = ("attention", "experts", "shared", "comm", "imbalance", "other", "overhead")
+TERMS = ("attention", "experts", "shared", "comm", "imbalance", "other", "launch", "framework")
+
+# Kernels of one decode layer outside its collectives (each collective's table holds its
+# own launch), counted in the frameworks' DeepSeek-style decode path: attention = fused
+# add + RMSNorm, fused q_a/kv_a projection, q_a and kv_a norms, q_b projection, the
+# q_nope absorb, rope, cache write, the decode attention kernel and its merge, the v
+# absorb, o projection; MoE = fused add + RMSNorm, router GEMM, top-k, align/sort, two
+# expert GEMMs, activation, sum, and the shared expert's gate/up, activation, down, add.
+# Dense MLP = norm, gate/up, activation, down. Per step: embedding, final norm, LM head,
+# sampling (softmax, top-p/k, argmax/gather).
+KERNELS_ATTENTION = 12
+KERNELS_MOE = 12
+KERNELS_DENSE = 4
+KERNELS_STEP = 5
 
 
 @dataclass
@@ -37,6 +54,11 @@ class Env:
     kv_bytes: float
     exchanges: Exchanges
     _loads: dict = field(default_factory=dict)
+    held_context: int | None = None  # tokens a request holds at its end (default: context)
+
+    @property
+    def held(self) -> int:
+        return self.context if self.held_context is None else self.held_context
 
     def compute_dtype(self, fmt: WeightFormat) -> str:
         if fmt.kind == "fp8" and self.gpu.has("fp8"):
@@ -67,14 +89,17 @@ class Step:
     tok_s: float
     sources: dict[str, tuple[str, str]]  # communication term -> (kind, source)
     micro_batches: int
+    bubble_us: float = 0.0  # per step, the average stage's idle time (pipeline bubble)
 
     @property
     def total_us(self) -> float:
         return sum(self.terms.values())
 
 
-def _stage(env: Env, cfg: Config, stage: int, tokens: int, ctx: int, src: dict) -> dict:
-    """Terms (µs) of one stage for ``tokens`` tokens in flight through it."""
+def _stage(
+    env: Env, cfg: Config, stage: int, tokens: int, ctx: int, src: dict, requests: int
+) -> dict:
+    """Terms (µs) of one stage for ``tokens`` tokens (of ``requests`` requests) in flight."""
     m, g = env.model, env.gpu
     at, ad, st = cfg.attn_tp, cfg.attn_dp, env.stack
     n, n_moe = stage_layers(m, cfg.pp)[stage]
@@ -84,7 +109,10 @@ def _stage(env: Env, cfg: Config, stage: int, tokens: int, ctx: int, src: dict) 
 
     # attention: weights, KV cache read at the context, projections + core FLOPs
     w = m.attention_bytes(at)
-    kv = b_att * ctx * m.kv_bytes_per_token(at, env.kv_bytes)
+    # DCP: each of dcp ranks holds and reads 1/dcp of every request's cache (for the heads
+    # of its dcp group, the FLOPs per rank unchanged)
+    kvb = 1.0 if cfg.kv_fp8 else env.kv_bytes
+    kv = b_att * ctx * m.kv_bytes_per_token(at, kvb) / cfg.dcp
     flops = 2.0 * b_att * m.attention_params_per_rank(at)
     flops += b_att * ctx * m.attention_flops_per_context_token() / at
     t["attention"] = n * env.roofline(w + kv, flops, env.compute_dtype(m.fmt("attention")))
@@ -114,18 +142,21 @@ def _stage(env: Env, cfg: Config, stage: int, tokens: int, ctx: int, src: dict) 
         busy = max(experts_us(load.max_experts, load.max_rows), mean)
         t["experts"] = n_moe * mean
         t["imbalance"] = n_moe * (busy - mean)
-        t["overhead"] += n_moe * st.expert_us * load.max_experts
         if m.shared_intermediate:
-            sb = m.mlp_bytes(m.shared_intermediate, "shared") / at
-            fl = 2.0 * b_att * 3 * h * m.shared_intermediate / at
+            ds = dense_split(cfg, st.framework)
+            rows = b_att if ds == at else tokens  # SGLang: the gathered batch over all TP
+            sb = m.mlp_bytes(m.shared_intermediate, "shared") / ds
+            fl = 2.0 * rows * 3 * h * m.shared_intermediate / ds
             t["shared"] = n_moe * env.roofline(sb, fl, env.compute_dtype(m.fmt("shared")))
 
     # embedding (a row per token) and LM head with its logits gather
     if stage == 0:
         other += env.roofline(b_att * h * 2.0, 0.0, "bf16")
     if stage == cfg.pp - 1:
-        fl = 2.0 * b_att * m.vocab * h / at
-        other += env.roofline(m.lm_head_bytes() / at, fl, env.compute_dtype(m.fmt("lm_head")))
+        ds = dense_split(cfg, st.framework)
+        rows = b_att if ds == at else tokens
+        fl = 2.0 * rows * m.vocab * h / ds
+        other += env.roofline(m.lm_head_bytes() / ds, fl, env.compute_dtype(m.fmt("lm_head")))
         gather = cm.nccl("all_gather", b_att * m.vocab * 2.0, at, g, env.tables)
         t["comm"] += gather.us
         if at > 1:
@@ -133,6 +164,16 @@ def _stage(env: Env, cfg: Config, stage: int, tokens: int, ctx: int, src: dict) 
     t["other"] = other
 
     # communication per layer
+    if cfg.dcp > 1:
+        # vLLM's and SGLang's default DCP exchange (ag_rs): all-gather the queries of the
+        # dcp group's heads, reduce-scatter the partial outputs (+ fp32 log-sum-exp)
+        heads = m.heads / at * cfg.dcp
+        q = b_att * heads * m.kv_bytes_per_token(1, 2.0)
+        o = b_att * heads * (m.kv_lora_rank * 2.0 + 4.0)
+        ag = cm.nccl("all_gather", q, cfg.dcp, g, env.tables)
+        rs = cm.nccl("reduce_scatter", o, cfg.dcp, g, env.tables)
+        t["comm"] += n * (ag.us + rs.us)
+        src["dcp"] = (ag.kind, f"DCP all_gather + reduce_scatter per layer: {ag.source}")
     hid = b_att * h * 2.0
     ar = cm.all_reduce(hid, at, g, env.tables, st.allreduce)
     if cfg.comm in ("tp", "allreduce"):
@@ -147,7 +188,14 @@ def _stage(env: Env, cfg: Config, stage: int, tokens: int, ctx: int, src: dict) 
             ex = env.exchanges.cost(cfg, tokens, env)
             t["comm"] += n_moe * ex.us
             src[cfg.comm] = (ex.kind, ex.source)
-    t["overhead"] += n * st.layer_us
+    kernels = n * KERNELS_ATTENTION + n_moe * KERNELS_MOE + (n - n_moe) * KERNELS_DENSE
+    if stage == cfg.pp - 1:
+        kernels += KERNELS_STEP
+    tb = env.tables
+    gap = tb.kernel_gap_graph_us if st.graphs(cfg) else tb.kernel_gap_eager_us
+    t["launch"] = kernels * gap
+    if stage == 0:  # each DP group's scheduler runs in parallel: the busiest one counts
+        t["framework"] = st.step_us + st.request_us * ceil_div(requests, ad)
     return t
 
 
@@ -163,26 +211,31 @@ def _pp_send(env: Env, cfg: Config, stage: int, tokens: int, src: dict) -> float
     return c.us
 
 
-def step(env: Env, cfg: Config, concurrency: int, ctx: int | None = None) -> Step:
-    """Decode step of ``concurrency`` requests at the environment's context (or ``ctx``)."""
+def step(
+    env: Env, cfg: Config, concurrency: int, ctx: int | None = None, requests: int | None = None
+) -> Step:
+    """Decode step of ``concurrency`` tokens (one per request unless ``requests`` says) at
+    the environment's decode context (or ``ctx``)."""
     ctx = env.context if ctx is None else ctx
+    requests = concurrency if requests is None else requests
     mb = min(cfg.pp, max(concurrency, 1))
     tokens = ceil_div(concurrency, mb)
     src: dict[str, str] = {}
     totals = dict.fromkeys(TERMS, 0.0)
     slowest = 0.0
     for s in range(cfg.pp):
-        t = _stage(env, cfg, s, tokens, ctx, src)
+        t = _stage(env, cfg, s, tokens, ctx, src, ceil_div(requests, mb))
         t["comm"] += _pp_send(env, cfg, s, tokens, src)
         slowest = max(slowest, sum(t.values()))
         for k, v in t.items():
             totals[k] += v
     trip = sum(totals.values())
     tpot = max(trip, mb * slowest)
-    return Step(concurrency, totals, tpot, concurrency / tpot * 1e6, src, mb)
+    bubble = tpot - mb * trip / cfg.pp  # idle time of the average stage per step
+    return Step(concurrency, totals, tpot, concurrency / tpot * 1e6, src, mb, bubble)
 
 
 def prefill(env: Env, cfg: Config, chunk: int) -> Step:
-    """One prefill chunk of ``chunk`` tokens (causal: on average chunk / 2 tokens of
-    context each). ``tok_s`` is prefill tokens per second."""
-    return step(env, cfg, chunk, ctx=chunk // 2)
+    """One prefill chunk of ``chunk`` tokens of one request (causal: on average chunk / 2
+    tokens of context each). ``tok_s`` is prefill tokens per second."""
+    return step(env, cfg, chunk, ctx=chunk // 2, requests=1)

@@ -10,7 +10,7 @@ from typing import Any
 from . import launch
 from .api import PlanResult
 from .predict import TERMS
-from .run import CONCURRENCIES, Result
+from .run import CONCURRENCIES, Result, under_cap
 from .stacks import GIB, STACKS
 
 FORMAT = "pcie_a2a.configplan"
@@ -40,11 +40,16 @@ def _chunks(p: PlanResult) -> dict[str, int]:
     }
 
 
-def commands(p: PlanResult, r: Result) -> dict[str, str]:
+def commands(p: PlanResult, r: Result, kv_dtype: str | None = None) -> dict[str, str]:
     model_id = p.model.hf_id or p.model.name
-    return launch.commands(
-        r.config, model_id, p.inputs.context, p.inputs.kv_dtype == "fp8", _chunks(p)
-    )
+    kv = kv_dtype or p.inputs.kv_dtype
+    return launch.commands(r.config, model_id, p.max_model_len, kv == "fp8", _chunks(p), p.stack)
+
+
+def _band(p: PlanResult, v: float, unit: str = "tok/s") -> str:
+    """A predicted figure with its band (the stack's leave-one-out range)."""
+    lo, hi = p.stack.band
+    return f"{_tok(v)} {unit} (predicted; {_tok(v * lo)}-{_tok(v * hi)})"
 
 
 def _model_line(p: PlanResult) -> str:
@@ -60,18 +65,34 @@ def _model_line(p: PlanResult) -> str:
 
 
 def calibration_lines(stack) -> list[str]:
-    fixed = "" if stack.fit_expert else " (fixed at 0, not fitted; see docs/plan.md)"
-    lines = [
-        f"stack {stack.name}: {stack.description}",
-        f"  fitted on its {len(stack.points)} calibration numbers only (Kimi K2.6 INT4, 8x RTX "
-        f"PRO 6000, context 0): layer_us = {stack.layer_us:.1f} µs per layer and step, "
-        f"expert_us = {stack.expert_us:.1f} µs per expert GEMM{fixed}",
-    ]
+    lo, hi = stack.band
+    lines = [f"stack {stack.name}: {stack.description}"]
+    for part in stack.parts():
+        lines.append(f"  part {part.name}: {part.value}: {part.cost}")
+    if stack.like:
+        lines.append(f"  host costs and band: those of {stack.like} (this stack has no numbers)")
+    else:
+        lines.append(
+            f"  fitted on its {len(stack.points)} calibration numbers only (Kimi K2.6 INT4, 8x "
+            f"RTX PRO 6000, context 0): step_us = {stack.step_us:.0f} µs per forward pass, "
+            f"request_us = {stack.request_us:.1f} µs per request"
+        )
     for label, meas, pred in stack.residuals:
         lines.append(
-            f"  residual  {label}: measured {meas:.1f}, model {pred:.1f} tok/s "
+            f"  in-sample {label}: measured {meas:.1f}, fitted model {pred:.1f} tok/s "
             f"({(pred / meas - 1) * 100:+.1f}%)"
         )
+    for label, meas, pred in stack.loo:
+        lines.append(
+            f"  held out  {label}: measured {meas:.1f}, predicted without it {pred:.1f} tok/s "
+            f"({(pred / meas - 1) * 100:+.1f}%)"
+        )
+    lines.append(
+        f"  band on every predicted figure: x{lo:.2f} to x{hi:.2f} (the measured values "
+        "relative to the leave-one-out predictions)"
+    )
+    for n in stack.notes:
+        lines.append(f"  note: {n}")
     return lines
 
 
@@ -79,12 +100,15 @@ def text(p: PlanResult) -> str:
     inp, g = p.inputs, p.gpu
     out = [
         f"pcie-a2a plan: {p.model.name} on {p.num_gpus} x {g.name} ({g.memory_gib:g} GiB, "
-        f"{g.bandwidth_gbps:g} GB/s, PCIe Gen{g.pcie_gen})",
+        f"{g.bandwidth_gbps:g} GB/s, PCIe Gen{g.pcie_gen}); every throughput and time below "
+        "is predicted",
+        *(f"  assumed: {a}" for a in p.assumed),
         f"  model: {_model_line(p)}",
         f"  {p.topology_note}"
         + (f"; pair numbers from {p.measured.probe_source}" if p.measured.probe else ""),
-        f"  context {inp.context} tokens per request, KV cache {inp.kv_dtype}, routing: "
-        f"{p.routing.source}"
+        f"  context {inp.context} + output {inp.output} tokens per request (decode reads "
+        f"{p.env.context} on average, holds {p.max_model_len}), KV cache {inp.kv_dtype}, "
+        f"TPOT cap {inp.max_tpot_ms:g} ms, routing: {p.routing.source}"
         + (f", {inp.redundant} redundant expert slots" if inp.redundant else ""),
         "",
         *calibration_lines(p.stack),
@@ -92,7 +116,8 @@ def text(p: PlanResult) -> str:
     ]
     modelled = [r for r in p.results if r.modelled]
     head = ["configuration", "SGLang", "vLLM", "KV holds"]
-    head += [f"C={c}" for c in CONCURRENCIES] + ["peak", "@C", "TPOT C=1", "TPOT C=128", "prefill"]
+    head += [f"C={c}" for c in CONCURRENCIES] + ["peak", "@C", "TPOT C=1", "TPOT C=128"]
+    head += [f"TPOT<={inp.max_tpot_ms:g}ms", "@C", "prefill"]
     rows = []
     for r in modelled:
         row = [
@@ -104,22 +129,29 @@ def text(p: PlanResult) -> str:
         row += [_tok(r.steps[c].tok_s) + ("*" if c > r.c_max else "") for c in CONCURRENCIES]
         row += [_tok(r.peak_tok_s) if r.peak_c else "-", str(r.peak_c) if r.peak_c else "-"]
         row += [f"{r.steps[1].tpot_us / 1e3:.1f} ms", f"{r.steps[128].tpot_us / 1e3:.1f} ms"]
+        cc, ct = under_cap(r, inp.max_tpot_ms)
+        row += [_tok(ct) if cc else "-", str(cc) if cc else "-"]
         row += [_tok(r.prefill.tok_s) if r.prefill else "-"]
         rows.append(row)
+    lo, hi = p.stack.band
     out.append(
-        f"decode tok/s of the whole box at concurrency C (requests of {inp.context} tokens), "
-        f"peak over C up to what the stack batches and the KV cache holds; prefill = tok/s of "
-        f"one chunk; (x) = cannot run, shown for reference; * = more requests than the stack "
-        "batches or the KV cache holds (they would queue)"
+        f"predicted decode tok/s of the whole box at concurrency C, each figure with a band "
+        f"of x{lo:.2f}..x{hi:.2f} (held-out residuals above); peak over C up to what the stack "
+        f"batches and the KV cache holds; TPOT<={inp.max_tpot_ms:g}ms = the best C whose time "
+        "per output token stays under the cap; prefill = tok/s of one chunk; (x) = cannot "
+        "run, shown for reference; * = more requests than the stack batches or the KV cache "
+        "holds (they would queue)"
     )
     out += _table(head, rows)
     for c in _BREAKDOWN_AT:
         out += [
             "",
-            f"decode step at C={c}, ms (attention, experts, shared expert, "
-            "communication, imbalance, other = dense/router/embedding/LM head, overhead)",
+            f"predicted decode step at C={c}, ms (attention, experts, shared expert, "
+            "communication, imbalance, other = dense/router/embedding/LM head, launch = "
+            "kernels x launch gap, framework = host time per forward pass and request; "
+            "bubble = the average pipeline stage's idle time)",
         ]
-        hb = ["configuration", *TERMS, "step", "TPOT"]
+        hb = ["configuration", *TERMS, "bubble", "step", "TPOT"]
         rb = []
         for r in modelled:
             s = r.steps[c]
@@ -127,6 +159,7 @@ def text(p: PlanResult) -> str:
                 [
                     r.config.name,
                     *(f"{s.terms[t] / 1e3:.2f}" for t in TERMS),
+                    f"{s.bubble_us / 1e3:.2f}",
                     f"{s.total_us / 1e3:.2f}",
                     f"{s.tpot_us / 1e3:.2f}",
                 ]
@@ -137,6 +170,8 @@ def text(p: PlanResult) -> str:
         out += ["", "cannot run (configurations users try, with the reason):"]
         for r in bad:
             out.append(f"  {r.config.name}: {r.why_not()}")
+    if p.asked is not None:
+        out += ["", *asked_lines(p)]
     out += ["", *recommendation_lines(p)]
     out += ["", "where the numbers come from:", *provenance_lines(p)]
     if p.notes:
@@ -144,46 +179,102 @@ def text(p: PlanResult) -> str:
     return "\n".join(out) + "\n"
 
 
-def recommendation_lines(p: PlanResult) -> list[str]:
-    rec = p.recommendation
-    if rec.best is None:
-        return [f"recommendation: none ({rec.note})"]
-    b, lat = rec.best, rec.latency
-    out = [
-        f"recommendation (highest peak throughput): {b.config.name}: {b.peak_tok_s:.0f} tok/s at "
-        f"C={b.peak_c}, {b.steps[1].tok_s:.1f} tok/s at C=1",
-    ]
-    if rec.note:
-        out.append(f"  {rec.note}")
-    if lat is not None and lat is not b:
-        out.append(
-            f"  lowest latency (C=1): {lat.config.name}: {lat.steps[1].tok_s:.1f} tok/s, "
-            f"TPOT {lat.steps[1].tpot_us / 1e3:.1f} ms"
-        )
-    cmds = commands(p, b)
+def _launch_lines(p: PlanResult, r: Result, kv_dtype: str | None = None) -> list[str]:
+    cmds = commands(p, r, kv_dtype)
+    out = []
     for fw in ("sglang", "vllm"):
-        if b.reasons[fw]:
-            out.append(f"  {fw}: cannot launch it: {'; '.join(b.reasons[fw])}")
+        if r.reasons[fw]:
+            out.append(f"  {fw}: cannot launch it: {'; '.join(r.reasons[fw])}")
         else:
             out.append(f"  {fw}: {cmds[fw]}")
-    ours = [r for r in p.results if r.runs and r.config.comm == "pcie_a2a"]
-    if ours and b.config.comm != "pcie_a2a":
-        o = max(ours, key=lambda r: r.peak_tok_s)
-        cmd = commands(p, o)
+    return out
+
+
+def recommendation_lines(p: PlanResult) -> list[str]:
+    rec = p.recommendation
+    cap = rec.cap_ms
+    out: list[str] = []
+    if rec.best is None:
+        out.append(f"throughput recommendation: none ({rec.note})")
+    else:
+        b = rec.best
+        c, tok = under_cap(b, cap)
         out.append(
-            f"best with pcie_a2a: {o.config.name}: {o.peak_tok_s:.0f} tok/s peak "
-            f"({o.peak_tok_s / b.peak_tok_s:.2f}x the recommendation), {o.steps[1].tok_s:.1f} at C=1"
+            f"throughput recommendation (TPOT <= {cap:g} ms): {b.config.name}: "
+            f"{_band(p, tok)} at C={c}, TPOT {c / tok * 1e3:.1f} ms"
         )
-        for fw in ("sglang", "vllm"):
-            if not o.reasons[fw]:
-                out.append(f"  {fw}: {cmd[fw]}")
+        if rec.note:
+            out.append(f"  {rec.note}")
+        out += _launch_lines(p, b)
+    lat = rec.latency
+    if lat is not None:
+        s1 = lat.steps[1]
+        out.append(
+            f"latency choice (lowest TPOT at C=1): {lat.config.name}: "
+            f"{_band(p, s1.tpot_us / 1e3, 'ms')} per output token, {_tok(s1.tok_s)} tok/s"
+        )
+        if rec.latency_ties:
+            names = ", ".join(
+                f"{r.config.name} {r.steps[1].tpot_us / 1e3:.1f} ms" for r in rec.latency_ties[:6]
+            )
+            out.append(f"  a tie (inside its band, the model cannot rank them): {names}")
+        out += _launch_lines(p, lat)
+    b = rec.best
+    ours = [r for r in p.results if r.runs and r.config.comm == "pcie_a2a"]
+    if ours and b is not None and b.config.comm != "pcie_a2a":
+        o = max(ours, key=lambda r: under_cap(r, cap)[1])
+        oc, ot = under_cap(o, cap)
+        bt = under_cap(b, cap)[1]
+        if oc:
+            out.append(
+                f"best with pcie_a2a: {o.config.name}: {_band(p, ot)} at C={oc} under the cap "
+                f"({ot / bt:.2f}x the recommendation), {_tok(o.steps[1].tok_s)} at C=1"
+            )
+            out += _launch_lines(p, o)
     if ours:
         out.append(
-            "  pcie_a2a rows are predictions of its CUDA transport (topology planner) with the "
-            "stack's CUDA-graph overhead; today's integrations need --disable-cuda-graph / "
-            "--enforce-eager and stage tokens through host memory (docs/sglang.md, docs/vllm.md, "
-            "known limits), which is not modelled; nothing of pcie_a2a has run on a GPU yet"
+            "  pcie_a2a rows are predictions of its CUDA transport (topology planner), run eager "
+            "as their launch lines are (--disable-cuda-graph / --enforce-eager); today's "
+            "integrations also stage tokens through host memory (docs/sglang.md, docs/vllm.md), "
+            "which is not modelled; nothing of pcie_a2a has run on a GPU yet"
         )
+    return out
+
+
+def asked_lines(p: PlanResult) -> list[str]:
+    a = p.asked
+    out = [f"--config {a.flags!r} ({a.framework} flags):"]
+    if a.config is None:
+        return [*out, f"  not evaluated: {a.refused}", *(f"  {n}" for n in a.notes)]
+    r = a.result
+    out.append(
+        f"  = {a.config.name} on {a.config.gpus} of the box's {p.num_gpus} GPUs"
+        + (f", KV cache {a.kv_dtype}" if a.kv_dtype != p.inputs.kv_dtype else "")
+    )
+    out += [f"  {n}" for n in a.notes]
+    if r is None or not r.modelled:
+        why = "; ".join(r.reasons[a.framework]) if r is not None else a.refused
+        return [*out, f"  {a.framework} cannot run it: {why}"]
+    fw = a.framework
+    mem = r.mem(fw)
+    if not r.reasons[fw] and mem.fits:
+        out.append(f"  {fw} runs it")
+    else:
+        why = "; ".join(r.reasons[fw]) or "out of memory"
+        out.append(f"  {fw} cannot run it: {why} (predicted anyway, for reference)")
+    out.append(f"  memory per GPU ({fw}'s layout and budget): {mem.summary()}")
+    curve = ", ".join(f"C={c} {_tok(v)}" for c, v in r.curve)
+    lo, hi = p.stack.band
+    out.append(f"  predicted tok/s (band x{lo:.2f}..x{hi:.2f}): {curve}")
+    peak = f"peak {_band(p, r.peak_tok_s)} at C={r.peak_c}" if r.peak_c else "no peak (no KV room)"
+    out.append(f"  C=1: {_band(p, r.steps[1].tpot_us / 1e3, 'ms')} per output token; {peak}")
+    c, tok = under_cap(r, p.inputs.max_tpot_ms)
+    if c:
+        out.append(f"  under TPOT {p.inputs.max_tpot_ms:g} ms: {_band(p, tok)} at C={c}")
+    else:
+        out.append(f"  under TPOT {p.inputs.max_tpot_ms:g} ms: no concurrency meets the cap")
+    if not r.reasons[fw] and mem.fits:
+        out += _launch_lines(p, r, a.kv_dtype)
     return out
 
 
@@ -198,7 +289,9 @@ def provenance_lines(p: PlanResult) -> list[str]:
                 if src not in lst:
                     lst.append(src)
     out = []
-    order = {k: i for i, k in enumerate(("measured", "predicted", "derived", "model", "none"))}
+    order = {
+        k: i for i, k in enumerate(("measured", "predicted", "derived", "model", "assumed", "none"))
+    }
     for (kind, term), srcs in sorted(seen.items(), key=lambda kv: (order[kv[0][0]], kv[0][1])):
         more = f" (+{len(srcs) - 1} more)" if len(srcs) > 1 else ""
         out.append(f"  {kind:9s} {term}: {srcs[0]}{more}")
@@ -207,7 +300,10 @@ def provenance_lines(p: PlanResult) -> list[str]:
         f"            memory efficiency {t.memory_efficiency:g} ({t.memory_efficiency_source}); "
         f"tensor efficiency {t.tensor_efficiency:g} ({t.tensor_efficiency_source})",
         f"            expert GEMM efficiency by rows per expert: {t.gemm_efficiency.source}",
-        f"  fitted    overhead: {p.stack.name} layer_us, expert_us (above)",
+        f"  model     kernel launches: counted kernels per layer x gap, graphs "
+        f"{t.kernel_gap_graph_us:g} µs ({t.kernel_gap_graph_source}); eager "
+        f"{t.kernel_gap_eager_us:g} µs ({t.kernel_gap_eager_source})",
+        f"  fitted    framework host time: {p.stack.name} step_us, request_us (above)",
         f"  model     weights: {p.model.source}",
     ]
     if t.overrides:
@@ -225,6 +321,7 @@ def _step_doc(s) -> dict[str, Any]:
         "tpot_ms": s.tpot_us / 1e3,
         "step_ms": s.total_us / 1e3,
         "terms_ms": {k: v / 1e3 for k, v in s.terms.items()},
+        "bubble_ms": s.bubble_us / 1e3,
         "micro_batches": s.micro_batches,
         "sources": {k: {"kind": kd, "source": src} for k, (kd, src) in s.sources.items()},
     }
@@ -275,6 +372,11 @@ def to_doc(p: PlanResult) -> dict[str, Any]:
                 },
                 "decode": {str(k): _step_doc(s) for k, s in r.steps.items()} or None,
                 "peak": {"concurrency": r.peak_c, "tok_s": r.peak_tok_s} if r.modelled else None,
+                "under_tpot_cap": (
+                    dict(zip(("concurrency", "tok_s"), under_cap(r, p.inputs.max_tpot_ms)))
+                    if r.modelled
+                    else None
+                ),
                 "max_concurrency": r.c_max,
                 "curve": [[c_, v] for c_, v in r.curve],
                 "prefill": (
@@ -314,12 +416,23 @@ def to_doc(p: PlanResult) -> dict[str, Any]:
             "name": s.name,
             "framework": s.framework,
             "description": s.description,
-            "fitted": {"layer_us": s.layer_us, "expert_us": s.expert_us},
-            "expert_us_fitted": s.fit_expert,
+            "fitted": {"step_us": s.step_us, "request_us": s.request_us},
+            "like": s.like or None,
+            "parts": [
+                {"name": pt.name, "value": pt.value, "cost": pt.cost, "source": pt.source}
+                for pt in s.parts()
+            ],
+            "env": list(s.env),
+            "flags": {k: list(v) for k, v in s.flags.items()},
             "calibration": [
                 {"point": lab, "measured_tok_s": m, "model_tok_s": pr, "residual": pr / m - 1}
                 for lab, m, pr in s.residuals
             ],
+            "leave_one_out": [
+                {"point": lab, "measured_tok_s": m, "predicted_tok_s": pr, "residual": pr / m - 1}
+                for lab, m, pr in s.loo
+            ],
+            "band": {"low": s.band[0], "high": s.band[1]},
             "sources": sorted({pt.source for pt in s.points}),
         },
         "constants": {
@@ -338,14 +451,38 @@ def to_doc(p: PlanResult) -> dict[str, Any]:
             "custom_ar8": [list(map(list, t.custom_ar8.points)), t.custom_ar8.source],
         },
         "configurations": configs,
+        "assumed": list(p.assumed),
+        "max_model_len": p.max_model_len,
         "recommendation": {
+            "max_tpot_ms": rec.cap_ms,
             "throughput": rec.best.config.name if rec.best else None,
             "latency": rec.latency.config.name if rec.latency else None,
             "ties": [r.config.name for r in rec.ties],
+            "latency_ties": [r.config.name for r in rec.latency_ties],
             "note": rec.note,
             "launch": commands(p, rec.best) if rec.best else None,
+            "latency_launch": commands(p, rec.latency) if rec.latency else None,
         },
+        "asked": _asked_doc(p),
         "notes": list(p.notes),
+    }
+
+
+def _asked_doc(p: PlanResult) -> dict[str, Any] | None:
+    a = p.asked
+    if a is None:
+        return None
+    r = a.result
+    return {
+        "flags": a.flags,
+        "framework": a.framework,
+        "configuration": a.config.name if a.config else None,
+        "refused": a.refused or None,
+        "notes": a.notes,
+        "runs": bool(r and r.runs),
+        "why_not": r.why_not() if r is not None else a.refused,
+        "curve": [[c, v] for c, v in r.curve] if r is not None else [],
+        "max_requests": r.memory.max_requests if r is not None else None,
     }
 
 

@@ -64,6 +64,16 @@ def model_reasons(cfg: Config, model: ModelShape, gpus_available: int) -> list[s
             )
     if cfg.redundant and cfg.ep == 1:
         out.append("redundant experts need expert parallelism (ep > 1)")
+    if cfg.dcp > 1:
+        if cfg.attn_tp % cfg.dcp:
+            out.append(
+                f"DCP {cfg.dcp} must divide the attention TP size {cfg.attn_tp} (vLLM "
+                "config/parallel.py: 'tp_size must be divisible by dcp_size')"
+            )
+        if model.attention != "mla":
+            out.append("DCP is planned for MLA models only (the cache TP replicates)")
+        if cfg.attn_dp > 1 or cfg.pp > 1:
+            out.append("not planned: DCP together with DP attention or pipeline stages")
     return out
 
 

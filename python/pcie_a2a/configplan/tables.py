@@ -163,6 +163,18 @@ class Tables:
         "assumed from research/dispatch_anchors.md s7: kernel launch / graph node a few µs + "
         "count exchange one PCIe round (1-2 µs) + flags 0.4-1.3 µs, per dispatch or combine"
     )
+    kernel_gap_graph_us: float = 2.5
+    kernel_gap_graph_source: str = (
+        "estimate: the gap one dependent kernel leaves inside a CUDA graph without "
+        "programmatic dependent launch (drain, launch, ramp), as pcie_a2a's own INT4 MoE model "
+        "takes it (quant/grid_model.py: 2.5 µs without PDL); not measured on these GPUs"
+    )
+    kernel_gap_eager_us: float = 5.0
+    kernel_gap_eager_source: str = (
+        "a host kernel launch through the CUDA driver and runtime takes about 4-6 µs (RTX 5070 "
+        "Ti, CUDA 13; susun-blog.com pegainfer part 3); decode kernels are shorter, so eager "
+        "steps are launch-bound; PyTorch's own dispatch comes on top (not counted)"
+    )
     pp_send_floor_us: float = 10.2
     pp_send_floor_source: str = (
         "NCCL point-to-point floor taken as the 8-GPU all-to-all 4 KB time (10.2 µs, "
@@ -212,6 +224,8 @@ _SCALARS = {
     "activation_passes": "activation_passes_source",
     "pcie_a2a_call_us": "pcie_a2a_call_source",
     "pp_send_floor_us": "pp_send_floor_source",
+    "kernel_gap_graph_us": "kernel_gap_graph_source",
+    "kernel_gap_eager_us": "kernel_gap_eager_source",
 }
 
 

@@ -102,3 +102,11 @@ def probe_companion(name: str) -> Path | None:
         if p.is_file() and _fixture(name) != p:
             return p
     return None
+
+
+def companion_of(path: Path) -> Path | None:
+    """The measured-pairs dump beside a topology file, whatever it was named by: the same
+    stem (``<name>.topo.txt`` -> ``<name>.p2p.txt``) in the same directory."""
+    stem = path.name.split(".")[0]
+    p = path.with_name(f"{stem}.p2p.txt")
+    return p if p.is_file() and p.resolve() != path.resolve() else None
