@@ -392,9 +392,9 @@ def _rank_self_test(rank: int, world: int, so: str) -> dict:
     import cuda_emu_module
 
     import pcie_a2a
+    from pcie_a2a.buffer_memory import dispatch_slot_bytes, segment_bytes
     from pcie_a2a.placement import Placement
     from pcie_a2a.transport.cuda import CudaTransport, selftest
-    from pcie_a2a.transport.memory import dispatch_slot_bytes, segment_bytes
 
     hooks = cuda_emu_module.install(Path(so))
     got = {}

@@ -375,11 +375,11 @@ class Buffer:
     def memory_bytes(self) -> dict[str, int | str]:
         """What this rank's transport holds: ``device`` and ``host`` bytes (per GPU on CUDA)
         and the regions they are made of, from the wire format's formulas
-        (:func:`pcie_a2a.transport.memory.transport_memory`, which ``pcie-a2a plan`` uses
+        (:func:`pcie_a2a.buffer_memory.transport_memory`, which ``pcie-a2a plan`` uses
         without building a Buffer) with this Buffer's pair decisions (pulled pairs,
         host-staged peers, the copy-engine threshold). Tensors the calls return are the
         caller's and not counted."""
-        from pcie_a2a.transport.memory import transport_memory
+        from pcie_a2a.buffer_memory import transport_memory
 
         self._check_usable()
         t = self._transport

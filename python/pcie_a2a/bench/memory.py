@@ -18,19 +18,14 @@ from __future__ import annotations
 import os
 
 from pcie_a2a import env
+from pcie_a2a.buffer_memory import transport_memory
 
 CHUNK_ROWS = 2048  # rows per chunk of the stand-in expert and of weighted sums
-_ALIGN = 16
-
-
-def _up(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
 def segment_bytes(world: int, tokens: int, hidden: int, topk: int, payload: str) -> int:
-    head = 16 + 2 * _up(4 * topk)
-    body = _up(hidden) + _up(4 * (hidden // 128)) if payload == "fp8" else 2 * hidden
-    return 2 * world * tokens * (_up(head + body) + _up(2 * hidden))
+    """The transport's receive segment: the Buffer's own formula (buffer_memory.py)."""
+    return transport_memory("cpu", world, hidden, tokens, topk, payload).segment
 
 
 def estimate(cfg: dict, world: int, tokens: int, payload: str) -> dict:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from pcie_a2a.bench.memory import segment_bytes
+from pcie_a2a.buffer_memory import transport_memory
 
 from .configs import Config
 from .gpus import Gpu
@@ -52,10 +52,12 @@ class Memory:
 
 
 def buffer_bytes(world: int, tokens: int, hidden: int, topk: int, payload: str) -> int:
-    """Device bytes of one rank's pcie_a2a Buffer. The one place the plan asks for them:
-    today bench.memory's segment formula; to be pointed at the Buffer's own memory function
-    (transport/memory.py, being added elsewhere) so that there is one formula."""
-    return segment_bytes(world, tokens, hidden, topk, payload)
+    """Device bytes of one rank's pcie_a2a Buffer on CUDA: the formula its allocator uses
+    (:func:`pcie_a2a.buffer_memory.transport_memory`, as ``Buffer.memory_bytes()``), for
+    the largest layout (every P2P pair pulled, copy engine at its default threshold)."""
+    return transport_memory(
+        "cuda", world, hidden, tokens, topk, payload, with_pull=True
+    ).device_bytes
 
 
 def a2a_tokens_per_rank(framework: str, cfg: Config, chunk: int) -> int:

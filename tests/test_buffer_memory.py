@@ -1,4 +1,4 @@
-"""Buffer.memory_bytes() and pcie_a2a.transport.memory against what the transports really
+"""Buffer.memory_bytes() and pcie_a2a.buffer_memory against what the transports really
 allocate (the native segment sizes), and the Kimi K2.6 budget. The CUDA transport's
 segments are checked in the CUDA execution model (test_cuda_backend_emulated.py::
 test_self_test_passes_and_names_the_broken_pair compares them too)."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from pcie_a2a.transport.memory import (
+from pcie_a2a.buffer_memory import (
     combine_slot_bytes,
     dispatch_slot_bytes,
     segment_bytes,
