@@ -256,9 +256,10 @@ def junit_xml(rows: list[Row], facts: dict) -> bytes:
             kind = {"failed": "failure", "error": "error", "skipped": "skipped"}.get(
                 t["outcome"], ""
             )
-            if not t["outcome"]:  # started, never finished: the step was killed
-                kind = "error"
-                t = {**t, "message": "did not finish (the step was stopped)"}
+            if not t["outcome"]:  # started, never finished: a crash, or the step was stopped
+                kind = "error" if r.failing else "skipped"
+                t = {**t, "message": "did not finish (crashed)" if r.failing else
+                     "did not finish (the step was stopped)"}  # fmt: skip
             msg = t["message"].strip().splitlines()[-1] if t["message"].strip() else t["outcome"]
             case(suite, classname, name or path, t["duration"], kind, msg, t["message"])
             kinds.append(kind)
