@@ -7,7 +7,11 @@ at most 10 minutes per command, a fresh machine every call, only $OUT comes back
 * one overall deadline (BUDGET_S, default 480 s). Every step has a planned cap; the caps
   of the one-GPU plan plus RESERVE_S fit the budget (``--plan`` prints and checks it). A
   step may use time that earlier steps left unused, never the caps of the steps after
-  it; a step that cannot get its minimum is skipped with a "skipped: budget" row;
+  it; a step that cannot get its minimum is skipped with a "skipped: budget" row; the
+  optional steps (benchmarks) get only time nothing after them needs;
+* the verdict: FAIL for a wrong result, a crash or a build error, INCOMPLETE when a
+  non-optional step ran out of time or ran nothing (gpu_check_report.verdict); the output
+  and the summary end with the command that runs what is left (``continue_lines``);
 * every row is printed when its step ends, with the tail of its log on failure, and the
   result files in LOG_DIR ($OUT when set) are rewritten after every step, so a run that
   is killed still returns everything up to its last step (gpu_check_report.py);
