@@ -7,7 +7,11 @@ at most 10 minutes per command, a fresh machine every call, only $OUT comes back
 * one overall deadline (BUDGET_S, default 480 s). Every step has a planned cap; the caps
   of the one-GPU plan plus RESERVE_S fit the budget (``--plan`` prints and checks it). A
   step may use time that earlier steps left unused, never the caps of the steps after
-  it; a step that cannot get its minimum is skipped with a "skipped: budget" row;
+  it; a step that cannot get its minimum is skipped with a "skipped: budget" row; the
+  optional steps (benchmarks) get only time nothing after them needs;
+* the verdict: FAIL for a wrong result, a crash or a build error, INCOMPLETE when a
+  non-optional step ran out of time or ran nothing (gpu_check_report.verdict); the output
+  and the summary end with the command that runs what is left (``continue_lines``);
 * every row is printed when its step ends, with the tail of its log on failure, and the
   result files in LOG_DIR ($OUT when set) are rewritten after every step, so a run that
   is killed still returns everything up to its last step (gpu_check_report.py);
@@ -37,12 +41,15 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_check_report as R
 import gpu_check_steps as S
 from gpu_check_plan import (
+    ALWAYS,
+    DEFAULT_BUDGET_S,
     ROOT,
     SMOKE_TESTS,
     ConfigError,
@@ -61,6 +68,7 @@ from gpu_check_plan import (
 )
 
 PRINTED_TAIL = 15  # log lines printed under a failed row (the device tool keeps 12,000 chars)
+PREBUILT_PATH = "build/gpu-prebuilt/gpu_check_modules.tar.gz"  # the continue command's
 
 
 # ---- running ---------------------------------------------------------------------------
@@ -92,6 +100,7 @@ class Check:
         self.no_gpu: str | None = None
         self.current: subprocess.Popen | None = None
         self.force = os.environ.get("GPU_CHECK_FORCE", "") not in ("", "0")
+        self.packed: list[str] = []  # modules in LOG_DIR's gpu_check_modules.tar.gz
         source_tree = use_source_tree()
         self.modules_dir = (self.work / "fake_modules" if self.dry else
                             ROOT / "python" / "pcie_a2a" if source_tree else installed_package())  # fmt: skip
@@ -205,7 +214,7 @@ class Check:
         """Seconds this step may take, or None when it cannot get its minimum."""
         left = self.left()
         bank = left - later  # what the steps after this one do not need
-        if step.optional:
+        if step.optional:  # only what the steps after it do not need
             t = min(step.cap, bank)
         else:
             t = min(left, max(step.cap, min(2 * step.cap, bank)))
@@ -231,12 +240,20 @@ class Check:
         self.say(R.header_line())
         status = 1
         try:
-            for i, step in enumerate(self.steps):
-                self.one(i, step)
-        except Interrupted as why:
-            self.add(
-                R.Row("interrupted", "FAIL", 0.0, f"gpu_check got {why} at {self.elapsed():.0f}s")
-            )
+            i = 0
+            while i < len(self.steps):
+                step = self.steps[i]
+                j = i + 1
+                while step.group and j < len(self.steps) and self.steps[j].group == step.group:
+                    j += 1
+                if j - i > 1:
+                    self.group(i, self.steps[i:j])
+                else:
+                    self.one(i, step)
+                i = j
+        except Interrupted as why:  # the device tool's limit, say: not a failure of the code
+            self.add(R.Row("interrupted", "interrupted", 0.0,
+                           f"gpu_check got {why} at {self.elapsed():.0f}s"))  # fmt: skip
         finally:
             status = self.finish()
         return status
@@ -264,13 +281,55 @@ class Check:
         row.log = log.name
         if t < step.cap:
             row.detail += f" (had {t:.0f}s of its {step.cap:.0f}s plan)"
-        if row.failing:
+        if row.failing or row.status == "TIMEOUT":
             row.tail = R.log_tail(log, 40)
         self.add(row)
         if step.kind == "preflight":
             S.add_tools_row(self)
 
+    def group(self, i: int, members: list[Step]) -> None:
+        """Consecutive pytest steps of one group in one pytest process (one torch import,
+        one CUDA context), under the sum of their caps; a row for each."""
+        runnable = []
+        for k, step in enumerate(members):
+            blocked = self.blocked(step)
+            if blocked:
+                self.add(R.Row(step.name, blocked[0], 0.0, blocked[1], started=self.elapsed()))
+            else:
+                runnable.append((i + k, step))
+        if len(runnable) <= 1:
+            for k, step in runnable:
+                self.one(k, step)
+            return
+        steps = [s for _, s in runnable]
+        name = "+".join(s.name for s in steps)
+        whole = replace(steps[0], name=name, cap=sum(s.cap for s in steps),
+                        min_s=max(s.min_s for s in steps),
+                        per_test_s=max(s.per_test_s for s in steps))  # fmt: skip
+        t = self.allowance(whole, self.later_caps(runnable[-1][0]))
+        if t is None:
+            detail = (
+                f"{max(0.0, self.left()):.0f}s left before the reserve, needs {whole.min_s:.0f}s"
+            )
+            for s in steps:
+                self.add(R.Row(s.name, "skipped: budget", 0.0, detail, started=self.elapsed()))
+            return
+        self.write_outputs(running=name)
+        self.say(f"  > {name} (one pytest process, up to {t:.0f}s) ...")
+        log = self.work / f"{steps[0].group}.log"
+        start = time.monotonic()
+        rows = S.run_pytest_group(self, steps, whole, t, log)
+        tail = R.log_tail(log, 40)
+        for row in rows:
+            row.started = start - self.t0
+            row.log = log.name
+            if tail and (row.failing or row.status == "TIMEOUT"):
+                row.tail, tail = tail, []  # one log for the group: printed once
+            self.add(row)
+
     def add(self, row: R.Row) -> None:
+        step = next((s for s in self.steps if s.name == row.name), None)
+        row.optional = bool(step and step.optional)
         self.rows.append(row)
         self.say(R.format_row(row))
         for line in row.tail[-PRINTED_TAIL:]:  # the summary file keeps more
@@ -282,9 +341,8 @@ class Check:
         verdict_line, _ = R.verdict(self.rows, self.no_gpu)
         if self.dry:
             verdict_line = "DRY RUN " + verdict_line
-        text = R.summary_text(
-            self.rows, self.facts, verdict_line, self.command, self.reports, running
-        )
+        text = R.summary_text(self.rows, self.facts, verdict_line, self.command, self.reports,
+                              running, self.continue_lines())  # fmt: skip
         (self.work / "summary_so_far.txt").write_text(text)
         R.write_atomic(self.log_dir / R.SUMMARY, text.encode())
         R.write_atomic(self.log_dir / R.JUNIT, R.junit_xml(self.rows, self.facts))
@@ -316,8 +374,51 @@ class Check:
         self.say(
             f"files: {', '.join(sorted(p.name for p in self.log_dir.iterdir() if p.name in R.OUTPUT_FILES))} in {self.log_dir}"
         )
+        for line in self.continue_lines():
+            self.say(line)
         shutil.rmtree(self.work, ignore_errors=True)
         return status
+
+    # -- where a next call goes on
+    def remaining(self) -> list[str]:
+        """Selected steps that did not get to finish: out of time, skipped for the budget,
+        stopped from outside, or never reached (the optional ones too)."""
+        rows = {r.name: r for r in self.rows}
+        gpus = max(1, int(self.preflight.get("gpu_count", 1) or 1))
+        out = []
+        for s in self.steps:
+            if s.name in ALWAYS or not selected(s, self.only, self.skip):
+                continue
+            r = rows.get(s.name)
+            if r is None and s.min_gpus > gpus:
+                continue
+            if r is None or r.status in R.UNFINISHED:  # never reached, or did not finish
+                out.append(s.name)
+        return out
+
+    def continue_lines(self) -> list[str]:
+        if self.no_gpu:
+            return []
+        rest = self.remaining()
+        if not rest:
+            return ["continue: nothing left to run"]
+        caps = {s.name: s.cap for s in self.steps}
+        complete = bool(self.packed) and not any(
+            r.name == "build" and r.status != "ok" for r in self.rows
+        )
+        build = min(caps["build"], 15.0) if complete else caps["build"]
+        budget = min(DEFAULT_BUDGET_S, caps["preflight"] + build + sum(caps[n] for n in rest)
+                     + self.reserve)  # fmt: skip
+        keep = ("GPU_CHECK_CAPS", "GPU_CHECK_SKIP", "GPU_CHECK_XDIST", "GPU_CHECK_TIME_SCALE")
+        parts = [f"{k}={shlex.quote(os.environ[k])}" for k in keep if os.environ.get(k)]
+        how = ""
+        if self.packed:
+            parts.insert(0, f"GPU_CHECK_PREBUILT={PREBUILT_PATH}")
+            how = (f" (copy the returned {R.MODULES} to {PREBUILT_PATH} here and carry "
+                   f"{Path(PREBUILT_PATH).parent}: {len(self.packed)} modules, not rebuilt)")  # fmt: skip
+        cmd = " ".join([*parts, f"GPU_CHECK_ONLY={','.join(rest)}", f"BUDGET_S={budget:.0f}",
+                        "LOG_DIR=$OUT", "bash", "scripts/gpu_check.sh"])  # fmt: skip
+        return [f"continue where this run stopped{how}:", f"  {cmd}"]
 
 
 def main(argv: list[str] | None = None) -> int:

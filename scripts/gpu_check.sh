@@ -5,12 +5,15 @@
 #   scripts/gpu_check.sh --plan          # the steps and their budgets (no GPU needed)
 #
 # Preflight, build (this GPU's architecture, all cores), transport tests in two tiers, the
-# stress test, the in-process harness, the other GPU tests, the INT4 tests, reduced
-# benchmarks, a per-kernel breakdown and, in time left over, compute-sanitizer: each step
-# under one deadline (BUDGET_S, default 480 s), a row printed as it ends, the result files
-# (summary, JUnit XML, results JSON, log archive, built modules) rewritten in LOG_DIR
-# after every step. Exit status: 0 PASS, 1 FAIL, 2 bad settings, 3 no GPU, 4 budget ran
-# out before every step ran. The steps live in scripts/gpu_check.py.
+# stress test, the in-process harness, the all-reduce, the other GPU tests, the INT4 tests
+# and, in time left over (optional), reduced benchmarks, a per-kernel breakdown and
+# compute-sanitizer: each step under one deadline (BUDGET_S, default 480 s), a row printed
+# as it ends, the result files (summary, JUnit XML, results JSON, log archive, built
+# modules) rewritten in LOG_DIR after every step; the output ends with the command that
+# continues where the run stopped. Exit status: 0 PASS, 1 FAIL (a wrong result, a crash, a
+# build error), 2 bad settings, 3 no GPU, 4 INCOMPLETE (no failure, but a step ran out of
+# time, ran nothing or never ran). The steps live in scripts/gpu_check_plan.py. It runs
+# under the machine's own python3 and torch (the H200 image's CUDA torch) and installs none.
 #
 # Python packages the machine lacks (cmake, ninja, pybind11, pytest-timeout, ...) can
 # travel as wheels in .whl/ (carry it): they are installed into a temporary folder first.

@@ -2,8 +2,10 @@
 them, and facts about the source tree the steps need (see gpu_check.py).
 
 A step's ``cap`` is the seconds planned for it; the caps of the steps a one-GPU machine
-runs (not the optional ones) plus RESERVE_S must fit BUDGET_S, which ``--plan`` checks
-and tests/test_gpu_check.py asserts. ``min_s``: a step is not started with less.
+runs (not the optional ones: the benchmarks, in time left over) plus RESERVE_S must fit
+BUDGET_S, which ``--plan`` checks and tests/test_gpu_check.py asserts. ``min_s``: a step
+is not started with less. Steps of one ``group`` (serial pytest steps) run in one pytest
+process: one torch import and one CUDA context for all of them, a row each.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ TRANSPORT = "tests/test_cuda_transport.py"
 INPROCESS = "tests/test_cuda_inprocess.py"
 STRESS = "tests/test_cuda_stress.py"
 INT4 = "tests/test_moe_int4_gpu.py"
-OWN_STEP_FILES = (TRANSPORT, INPROCESS, STRESS, INT4)
+ALLREDUCE = "tests/test_allreduce_gpu.py"
+OWN_STEP_FILES = (TRANSPORT, INPROCESS, STRESS, INT4, ALLREDUCE)
 CUDA = ("_transport", "_cuda", "_cuda_transport")
 INT4_MODULES = ("_transport", "_moe_int4")
 ALLREDUCE_MODULES = ("_allreduce", "_allreduce_cuda")
@@ -63,49 +66,61 @@ class Step:
     serial_k: str = ""  # -k of the tests run afterwards, one at a time
     smoke: bool = False  # pass SMOKE_TESTS to the plugin
     collect: str = ""  # "": files + expect; "gpu_all" / "gpu_other": discovered files
+    group: str = ""  # consecutive pytest steps of one group share one pytest process
 
 
 STEPS = (
-    Step("preflight", 22, 10, "host (cores, /dev/shm, ulimit -l, NUMA), nvidia-smi (driver, "
+    Step("preflight", 45, 40, "host (cores, /dev/shm, ulimit -l, NUMA), nvidia-smi (driver, "
          "compute mode, PCIe link, BAR1), MPS, nvcc, torch, build tools; IPC and "
-         "cudaHostRegister smokes (torch only)", kind="preflight", gpu=False),
+         "cudaHostRegister smokes (torch only, imported once; the IPC child gets 30 s)",
+         kind="preflight", gpu=False),
     Step("build", 110, 45, "scripts/dev_build.sh <every csrc/bindings module> for the GPU's "
-         "compute capability, -j nproc (or GPU_CHECK_PREBUILT)", kind="build", gpu=False),
+         "compute capability, -j nproc, each module on its own (or GPU_CHECK_PREBUILT)",
+         kind="build", gpu=False),
     Step("transport_smoke", 60, 20, "tier 1, 2 at a time: -m 'gpu and smoke' over the GPU "
          "test files (SMOKE_TESTS by name, and every test marked smoke)", kind="pytest",
          modules=CUDA, files=(TRANSPORT,), marker="gpu and smoke", per_test_s=45, workers=2,
          smoke=True, collect="gpu_all"),
-    Step("stress", 30, 15, f"{STRESS}: 200 LL dispatch+combine calls, fresh data each step, "
-         "IPC and staged (PCIE_A2A_P2P=0) pairs", kind="pytest", modules=CUDA, files=(STRESS,)),
     Step("transport_rest", 65, 20, f"tier 2: the rest of {TRANSPORT} (4 at a time with "
          "pytest-xdist); the leak tests alone, after", kind="pytest", modules=CUDA,
          files=(TRANSPORT,), marker="gpu and not smoke", workers=4, serial_k="leak",
          smoke=True),
+    Step("stress", 30, 15, f"{STRESS}: 200 LL dispatch+combine calls, fresh data each step, "
+         "IPC and staged (PCIE_A2A_P2P=0) pairs", kind="pytest", modules=CUDA, files=(STRESS,),
+         marker="gpu and not smoke", smoke=True, group="serial"),
     Step("inprocess", 23, 10, f"{INPROCESS}: W transports in one process (real concurrency "
          "on one GPU)", kind="pytest", modules=CUDA, expect=(INPROCESS,),
-         marker="gpu and not smoke", smoke=True),
-    Step("gpu_other", 35, 15, "every other file with GPU tests (Buffer backend='cuda', "
+         marker="gpu and not smoke", smoke=True, group="serial"),
+    Step("allreduce", 35, 10, f"{ALLREDUCE}: AllReduce(backend='cuda'), eager and CUDA graph "
+         "replay, worlds 2 and 4 on one GPU, bit for bit", kind="pytest",
+         modules=ALLREDUCE_MODULES, files=(ALLREDUCE,), marker="gpu and not smoke",
+         per_test_s=90, smoke=True, group="serial"),
+    Step("gpu_other", 55, 20, "every other file with GPU tests (Buffer backend='cuda', "
          "bench --backend cuda, ...), 3 at a time", kind="pytest", modules=CUDA,
-         marker="gpu and not smoke", per_test_s=90, workers=3, smoke=True, collect="gpu_other"),
+         marker="gpu and not smoke", per_test_s=120, workers=3, smoke=True, collect="gpu_other"),
     Step("int4", 30, 10, f"{INT4}: the INT4 MoE GEMM against the CPU reference",
          kind="pytest", modules=INT4_MODULES, expect=(INT4,), workers=4),
-    Step("bench_moe_gemm", 20, 10, "benchmarks/bench_moe_gemm.py --model kimi-k2 --quick "
-         "--check", modules=INT4_MODULES, expect=("benchmarks/bench_moe_gemm.py",)),
-    Step("bench_one_gpu", 35, 20, "benchmarks/bench_cuda_one_gpu.py --worlds 1,2,4 (worlds 2, "
-         "4 time-slice one GPU: correctness, not speed)", modules=CUDA,
-         expect=("benchmarks/bench_cuda_one_gpu.py",)),
-    Step("bench_allreduce", 18, 8, "benchmarks/bench_allreduce_one_gpu.py --quick: the "
-         "all-reduce kernels, worlds 2 and 8 on one GPU in one CUDA graph, every replay "
-         "checked bit for bit (kernel cost, not PCIe)", modules=ALLREDUCE_MODULES,
-         expect=("benchmarks/bench_allreduce_one_gpu.py",)),
-    Step("kernels", 12, 8, "scripts/gpu_kernel_breakdown.py: world 1, per-kernel device time, "
-         "launches and host copies per call", modules=CUDA,
-         files=("scripts/gpu_kernel_breakdown.py",)),
     Step("topo", 8, 4, "pcie-a2a topo on the live machine (+ --probe with >= 2 GPUs)",
          modules=("_transport",)),
-    Step("bench_nccl", 60, 30, "pcie-a2a bench --backend cuda vs NCCL, one rank per GPU",
-         modules=CUDA, min_gpus=2),
-    Step("sanitizer", 40, 20, "compute-sanitizer memcheck: world-1 transport calls "
+    # Benchmarks: optional, in the time the steps above left over; what does not get to run
+    # is in the continue command. A wrong result in one is still a FAIL.
+    Step("bench_allreduce", 30, 10, "benchmarks/bench_allreduce_one_gpu.py --quick: the "
+         "all-reduce kernels, worlds 2 and 8 on one GPU in one CUDA graph, every replay "
+         "checked bit for bit (kernel cost, not PCIe)", modules=ALLREDUCE_MODULES,
+         expect=("benchmarks/bench_allreduce_one_gpu.py",), optional=True),
+    Step("bench_one_gpu", 70, 25, "benchmarks/bench_cuda_one_gpu.py --worlds 1,2,4 (worlds 2, "
+         "4 time-slice one GPU: correctness, not speed)", modules=CUDA,
+         expect=("benchmarks/bench_cuda_one_gpu.py",), optional=True),
+    Step("bench_moe_gemm", 45, 15, "benchmarks/bench_moe_gemm.py --model kimi-k2 --quick "
+         "--check", modules=INT4_MODULES, expect=("benchmarks/bench_moe_gemm.py",),
+         optional=True),
+    Step("kernels", 30, 10, "scripts/gpu_kernel_breakdown.py: world 1, per-kernel device time, "
+         "launches and host copies per call", modules=CUDA,
+         files=("scripts/gpu_kernel_breakdown.py",), optional=True),
+    Step("bench_nccl", 90, 30, "pcie-a2a bench --backend cuda vs NCCL (all_to_all_single, "
+         "all-gather + reduce-scatter, NCCL EP when nccl4py has it), one rank per GPU",
+         modules=CUDA, min_gpus=2, optional=True),
+    Step("sanitizer", 60, 20, "compute-sanitizer memcheck: world-1 transport calls "
          "(gpu_kernel_breakdown.py --small) and one INT4 case", modules=(*CUDA, "_moe_int4"),
          optional=True),
 )  # fmt: skip

@@ -34,9 +34,14 @@ MAX_FILE_BYTES = 16 << 20  # the device tool's limit per returned file
 LOG_KEEP_BYTES = 4 << 20  # per log inside the archive
 TAIL_LINES = 25
 
-# A row's status. FAILING ones make the verdict FAIL; "skipped: budget" makes it
-# INCOMPLETE; the others are information.
-FAILING = ("FAIL", "TIMEOUT", "SKIPPED")
+# A row's status. FAIL is a wrong result, a crash or a build error: the verdict is FAIL.
+# The INCOMPLETE ones (out of time, nothing ran, stopped from outside) make it INCOMPLETE
+# when the step is not optional: slowness is never a failure. The others are information.
+FAILING = ("FAIL",)
+INCOMPLETE = ("TIMEOUT", "SKIPPED", "skipped: budget", "interrupted", "not run")
+# What a continuing run runs again: the steps that did not get to finish (SKIPPED steps ran
+# and every test skipped itself: running them again changes nothing).
+UNFINISHED = ("TIMEOUT", "skipped: budget", "interrupted", "not run")
 
 
 @dataclass
@@ -49,10 +54,15 @@ class Row:
     tail: list[str] = field(default_factory=list)
     tests: list[dict] = field(default_factory=list)  # pytest steps: one dict per test
     started: float = 0.0  # seconds since the check began
+    optional: bool = False  # a benchmark: run in spare time, never makes the run INCOMPLETE
 
     @property
     def failing(self) -> bool:
         return self.status in FAILING
+
+    @property
+    def incomplete(self) -> bool:
+        return self.status in INCOMPLETE
 
 
 def format_row(row: Row) -> str:
@@ -126,17 +136,23 @@ def short_id(nodeid: str) -> str:
 
 # ---- the result files ------------------------------------------------------------------
 def verdict(rows: list[Row], no_gpu: str | None) -> tuple[str, int]:
-    """(verdict line, exit status): PASS 0, FAIL 1, NO GPU 3, INCOMPLETE 4."""
+    """(verdict line, exit status): PASS 0, FAIL 1, NO GPU 3, INCOMPLETE 4. FAIL only for a
+    wrong result, a crash or a build error; a step out of time or with nothing run makes the
+    run INCOMPLETE, unless it is an optional one (a benchmark)."""
     failing = [r.name for r in rows if r.failing]
-    budget = [r.name for r in rows if r.status == "skipped: budget"]
+    unfinished = [r.name for r in rows if r.incomplete and not r.optional]
+    spare = [r.name for r in rows if r.incomplete and r.optional]
     if no_gpu:
         return f"NO GPU: {no_gpu}", 3
     if failing:
-        return f"FAIL: {len(failing)} of {len(rows)} steps ({', '.join(failing)})", 1
-    if budget:
-        return f"INCOMPLETE: no failure, {len(budget)} skipped for budget ({', '.join(budget)})", 4
+        more = f"; not finished: {', '.join(unfinished)}" if unfinished else ""
+        return f"FAIL: {len(failing)} of {len(rows)} steps ({', '.join(failing)}){more}", 1
+    if unfinished:
+        return (f"INCOMPLETE: no failure; {len(unfinished)} not finished (out of time or "
+                f"nothing ran: {', '.join(unfinished)})", 4)  # fmt: skip
     ok = sum(r.status == "ok" for r in rows)
-    return f"PASS: {ok} steps ok, {len(rows) - ok} not run (see rows)", 0
+    more = f"; optional not finished: {', '.join(spare)}" if spare else ""
+    return f"PASS: {ok} steps ok, {len(rows) - ok} not run (see rows){more}", 0
 
 
 def readme_row(facts: dict, command: str, verdict_line: str) -> str:
@@ -148,7 +164,7 @@ def readme_row(facts: dict, command: str, verdict_line: str) -> str:
     )
 
 
-def summary_text(rows, facts, verdict_line, command, reports, running=None) -> str:
+def summary_text(rows, facts, verdict_line, command, reports, running=None, cont=()) -> str:
     out = [
         f"pcie_a2a GPU check ({facts.get('mode', 'real')}), {time.strftime('%Y-%m-%d %H:%M:%S')}",
         f"machine: {facts.get('machine', '?')}",
@@ -165,10 +181,12 @@ def summary_text(rows, facts, verdict_line, command, reports, running=None) -> s
         f"README row: {readme_row(facts, command, verdict_line)}",
     ]
     for r in rows:
-        if r.failing and r.tail:
+        if r.tail:  # failed or out of time
             out += ["", f"---- {r.name}: last lines of {r.log} ----", *r.tail]
     for title, lines in reports:
         out += ["", f"---- {title} ----", *lines]
+    if cont:
+        out += ["", *cont]
     return "\n".join(out) + "\n"
 
 
@@ -238,9 +256,10 @@ def junit_xml(rows: list[Row], facts: dict) -> bytes:
             kind = {"failed": "failure", "error": "error", "skipped": "skipped"}.get(
                 t["outcome"], ""
             )
-            if not t["outcome"]:  # started, never finished: the step was killed
-                kind = "error"
-                t = {**t, "message": "did not finish (the step was stopped)"}
+            if not t["outcome"]:  # started, never finished: a crash, or the step was stopped
+                kind = "error" if r.failing else "skipped"
+                t = {**t, "message": "did not finish (crashed)" if r.failing else
+                     "did not finish (the step was stopped)"}  # fmt: skip
             msg = t["message"].strip().splitlines()[-1] if t["message"].strip() else t["outcome"]
             case(suite, classname, name or path, t["duration"], kind, msg, t["message"])
             kinds.append(kind)

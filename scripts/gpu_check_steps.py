@@ -80,49 +80,100 @@ def add_tools_row(check) -> None:
         check.add(row)
 
 
+BUILD_DIR = "build/gpu-check"
+STATUS_FILE = "pcie_a2a_modules_status.txt"  # written by dev_build.sh in its build folder
+
+
 def run_build(check, step: Step, t: float, log: Path) -> R.Row:
+    """Every module on its own (dev_build.sh goes on past a module that fails): the row
+    says which built, which failed and on which sources; steps needing a failed module get
+    "skipped: no module". Modules of GPU_CHECK_PREBUILT whose sources match are not rebuilt,
+    nor are those that failed there on the same sources."""
     targets = binding_modules()
     tools = check.preflight.get("build_tools", {})
     if tools.get("missing"):
         return R.Row(step.name, "FAIL", 0, "not run: build tools missing (row build_tools)")
     archs = check.preflight.get("cuda_archs") or "native"
-    prebuilt = os.environ.get("GPU_CHECK_PREBUILT", "").strip()
-    note = ""
-    if prebuilt:
-        ok, note = use_prebuilt(check, Path(prebuilt), archs, targets)
-        with open(log, "a") as f:
-            f.write(f"prebuilt {prebuilt}: {note}\n")
-        if ok:
-            return R.Row(step.name, "ok", 0, note)
-        note += "; building"
-    if check.dry:
-        argv = check.fake("build", step, str(check.modules_dir), ",".join(targets))
-        env = {}
-    else:
-        argv = ["bash", str(ROOT / "scripts" / "dev_build.sh"), *targets]
-        jobs = str(os.cpu_count() or 4)
-        env = {"BUILD": "build/gpu-check", "PCIE_A2A_WITH_CUDA": "1",
-               "PCIE_A2A_CUDA_ARCHS": archs, "JOBS": jobs, "PCIE_A2A_WERROR": "0",
-               "PYTHON": check.py}  # fmt: skip
-        nvcc_dir = tools.get("nvcc_dir")
-        if nvcc_dir:
-            env["PATH"] = nvcc_dir + os.pathsep + check.env.get("PATH", "")
     if not check.dry:  # dev_build.sh installs into python/: run against that from now on
         check.modules_dir = ROOT / "python" / "pcie_a2a"
         if str(ROOT / "python") not in check.env["PYTHONPATH"].split(os.pathsep):
             check.env["PYTHONPATH"] = str(ROOT / "python") + os.pathsep + check.env["PYTHONPATH"]
-    rc, timed_out = check.run(argv, log, t, env)
-    absent = [m for m in targets if not check.built(m)]
-    what = f"{len(targets)} modules ({' '.join(targets)}) for {archs}, -j{os.cpu_count()}"
+    status: dict[str, str] = {}  # module -> "ok" | "FAILED: why"
+    note = ""
+    prebuilt = os.environ.get("GPU_CHECK_PREBUILT", "").strip()
+    if prebuilt:
+        status, note = use_prebuilt(check, Path(prebuilt), archs, targets)
+        with open(log, "a") as f:
+            f.write(f"prebuilt {prebuilt}: {note}\n")
+    todo = [m for m in targets if m not in status]
+    rc, timed_out = 0, False
+    if todo:
+        status_file = (check.work if check.dry else ROOT / BUILD_DIR) / STATUS_FILE
+        status_file.unlink(missing_ok=True)
+        if check.dry:
+            argv = check.fake("build", step, str(check.modules_dir), ",".join(todo),
+                              str(status_file))  # fmt: skip
+            env = {}
+        else:
+            argv = ["bash", str(ROOT / "scripts" / "dev_build.sh"), *todo]
+            env = {"BUILD": BUILD_DIR, "PCIE_A2A_WITH_CUDA": "1", "PCIE_A2A_CUDA_ARCHS": archs,
+                   "JOBS": str(os.cpu_count() or 4), "PCIE_A2A_WERROR": "0", "PYTHON": check.py}  # fmt: skip
+            nvcc_dir = tools.get("nvcc_dir")
+            if nvcc_dir:
+                env["PATH"] = nvcc_dir + os.pathsep + check.env.get("PATH", "")
+        rc, timed_out = check.run(argv, log, t, env)
+        if timed_out and not check.dry:
+            install_built(todo)
+        status.update(read_status(status_file, todo))
+        for m in todo:  # out of time, or a build that stopped before its report
+            if m not in status and check.built(m):
+                status[m] = "ok"
+    ok = [m for m in targets if status.get(m) == "ok"]
+    failed = {m: status[m] for m in targets if status.get(m, "ok") != "ok"}
+    absent = [m for m in targets if m not in status]
+    if ok:
+        pack_modules(check, ok, archs, status)
+    parts = [f"{len(ok)} of {len(targets)} modules for {archs}, -j{os.cpu_count()}"]
     if note:
-        what = f"{note}; {what}"
-    if timed_out:
-        return R.Row(step.name, "TIMEOUT", 0, f"stopped after {t:.0f}s: {what}")
-    if rc != 0 or absent:
-        why = f"exit {rc}" + (f", not built: {' '.join(absent)}" if absent else "")
-        return R.Row(step.name, "FAIL", 0, f"{why}: {what}")
-    pack_modules(check, targets, archs)
-    return R.Row(step.name, "ok", 0, what)
+        parts.insert(0, note)
+    if ok:
+        parts.append("built: " + " ".join(ok))
+    parts += [f"{m} {why}" for m, why in failed.items()]
+    if absent:
+        parts.append("not built: " + " ".join(absent) + (" (out of time)" if timed_out else
+                                                            f" (dev_build.sh exit {rc})"))  # fmt: skip
+    detail = "; ".join(parts)
+    if failed:
+        return R.Row(step.name, "FAIL", 0, detail)
+    if absent:
+        return R.Row(step.name, "TIMEOUT" if timed_out else "FAIL", 0, detail)
+    return R.Row(step.name, "ok", 0, detail)
+
+
+def read_status(path: Path, todo: list[str]) -> dict[str, str]:
+    """dev_build.sh's per-module lines: "<module> ok" or "<module> FAILED: why"."""
+    out = {}
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        name, _, rest = line.strip().partition(" ")
+        if name in todo and rest:
+            out[name] = "ok" if rest == "ok" else rest
+    return out
+
+
+def install_built(todo: list[str]) -> None:
+    """After a build stopped at its deadline: the modules it finished (dev_build.sh removes
+    a module's old file before building it, so what is there was built now), by rename."""
+    dst_dir = ROOT / "python" / "pcie_a2a"
+    for m in todo:
+        for so in (ROOT / BUILD_DIR).glob(f"{m}.*so"):
+            tmp = dst_dir / f"{so.name}.tmp.{os.getpid()}"
+            shutil.copyfile(so, tmp)
+            tmp.chmod(0o755)
+            os.replace(tmp, dst_dir / so.name)
 
 
 def _module_files(check, targets) -> list[Path]:
@@ -139,20 +190,26 @@ def _manifest(check, archs: str) -> dict:
             "ext_suffix": sysconfig.get_config_var("EXT_SUFFIX"), "commit": check.facts["commit"]}  # fmt: skip
 
 
-def pack_modules(check, targets, archs: str) -> None:
+def pack_modules(check, ok: list[str], archs: str, status: dict[str, str]) -> None:
+    """The modules that built and every module's status, for a continuing call."""
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:gz") as tar:
-        data = json.dumps(_manifest(check, archs)).encode()
+        data = json.dumps({**_manifest(check, archs), "modules": status}).encode()
         info = tarfile.TarInfo("manifest.json")
         info.size = len(data)
         tar.addfile(info, io.BytesIO(data))
-        for p in _module_files(check, targets):
+        files = _module_files(check, ok)
+        for p in files:
             tar.add(p, arcname=p.name)
     if len(buf.getvalue()) < R.MAX_FILE_BYTES:
         R.write_atomic(check.log_dir / R.MODULES, buf.getvalue())
+        check.packed = list(ok)
 
 
-def use_prebuilt(check, path: Path, archs: str, targets) -> tuple[bool, str]:
+def use_prebuilt(check, path: Path, archs: str, targets) -> tuple[dict[str, str], str]:
+    """({module: status} taken from the archive, what happened). Nothing is taken when the
+    sources, archs or Python differ; a module that failed there on the same sources fails
+    again without a rebuild."""
     try:
         with tarfile.open(path) as tar:
             manifest = json.load(tar.extractfile("manifest.json"))
@@ -161,7 +218,7 @@ def use_prebuilt(check, path: Path, archs: str, targets) -> tuple[bool, str]:
                 k for k in ("source_hash", "archs", "ext_suffix") if manifest.get(k) != want[k]
             ]
             if stale:
-                return False, f"prebuilt modules do not match ({', '.join(stale)} differ)"
+                return {}, f"prebuilt modules do not match ({', '.join(stale)} differ); building"
             names = [m.name for m in tar.getmembers()
                      if m.isfile() and m.name != "manifest.json" and "/" not in m.name]  # fmt: skip
             check.modules_dir.mkdir(parents=True, exist_ok=True)
@@ -172,11 +229,16 @@ def use_prebuilt(check, path: Path, archs: str, targets) -> tuple[bool, str]:
                 tmp.chmod(0o755)
                 os.replace(tmp, dst)  # by rename: see dev_build.sh
     except (OSError, KeyError, ValueError, tarfile.TarError) as exc:
-        return False, f"prebuilt modules unusable: {exc}"
-    absent = [m for m in targets if not check.built(m)]
-    if absent:
-        return False, f"prebuilt modules lack {' '.join(absent)}"
-    return True, f"prebuilt: {len(names)} modules from {path.name} (sources match)"
+        return {}, f"prebuilt modules unusable: {exc}; building"
+    recorded = manifest.get("modules") or {}
+    status = {m: "ok" for m in targets if check.built(m)}
+    for m, why in recorded.items():
+        if m in targets and m not in status and why != "ok":
+            status[m] = f"{why} (in the prebuilt run, same sources: not rebuilt)"
+    rest = [m for m in targets if m not in status]
+    return status, f"prebuilt: {len(names)} modules from {path.name} (sources match)" + (
+        f", building {' '.join(rest)}" if rest else ""
+    )
 
 
 def pytest_files(check, step: Step) -> list[str]:
@@ -187,63 +249,133 @@ def pytest_files(check, step: Step) -> list[str]:
     return [f for f in step.files + step.expect if (ROOT / f).exists()]
 
 
+_PER_TEST_TIMEOUT = re.compile(r"Timeout \(?>[\d.]+s")  # pytest-timeout's failure message
+
+
+def _pytest(check, step: Step, files: list[str], t: float, log: Path, results: Path,
+            members: list[Step] | None = None) -> tuple[list[int], bool]:  # fmt: skip
+    """Runs pytest on `files` (the fake in a dry run) under `t` seconds; (exit codes, timed out)."""
+    end = time.monotonic() + t
+    if check.dry:
+        names = [m.name for m in members] if members else [step.name]
+        rc, timed_out = check.run(check.fake("pytest", step, str(results), *names), log, t)
+        return [] if timed_out else [rc], timed_out
+    base = [check.py, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-p", "gpu_check_pytest",
+            f"--gpu-check-results={results}", "-m", step.marker]  # fmt: skip
+    if step.smoke:
+        base.append("--gpu-check-smoke=" + ",".join(SMOKE_TESTS))
+    if have("pytest_timeout"):
+        base += [f"--timeout={step.per_test_s:.0f}", "--timeout-method=signal"]
+    parallel = step.workers > 1 and have("xdist") and os.environ.get("GPU_CHECK_XDIST") != "0"
+    runs = [(["-k", f"not ({step.serial_k})"] if step.serial_k else [], parallel)]
+    if step.serial_k:
+        runs.append((["-k", step.serial_k], False))
+    rcs, timed_out = [], False
+    for extra, par in runs:
+        argv = base + extra + (["-n", str(step.workers)] if par else []) + files
+        rc, timed_out = check.run(argv, log, end - time.monotonic())
+        if timed_out:  # its exit status is the kill's, not pytest's
+            break
+        rcs.append(rc)
+    return rcs, timed_out
+
+
+def pytest_row(name: str, tests: list[dict], rcs: list[int], timed_out: bool, t: float,
+               unmatched: list[str] = ()) -> R.Row:  # fmt: skip
+    """FAIL for a failed test or a crash; TIMEOUT (the run INCOMPLETE) when the step's
+    deadline or a per-test timeout stopped a test; SKIPPED when nothing ran."""
+    n = R.count_tests(tests)
+    slow = [R.short_id(x["nodeid"]) for x in tests
+            if x["outcome"] == "failed" and _PER_TEST_TIMEOUT.search(x["message"])]  # fmt: skip
+    failed = [R.short_id(x["nodeid"]) for x in tests if x["outcome"] in ("failed", "error")]
+    failed = [f for f in failed if f not in slow]
+    unfinished = [R.short_id(x["nodeid"]) for x in tests if not x["outcome"]]
+    crashed = bool(unfinished) and not timed_out  # the process died inside a test
+    parts = [f"{n['passed']} passed"]
+    if failed:
+        more = " ..." if len(failed) > 6 else ""
+        parts.insert(0, f"{len(failed)} failed: {', '.join(failed[:6])}{more}")
+    if slow:
+        parts.append(f"over the per-test timeout (slow or hung): {', '.join(slow[:4])}")
+    if n["skipped"]:
+        reason = next((x["message"] for x in tests if x["outcome"] == "skipped"), "")
+        parts.append(f"{n['skipped']} skipped ({reason[:120]})")
+    if unfinished:
+        verb = "crashed in" if crashed else "did not finish"
+        parts.append(f"{verb}: {', '.join(unfinished[:4])}")
+    if unmatched:
+        parts.append(f"smoke names not found: {', '.join(unmatched)}")
+    detail = "; ".join(parts)
+    bad = [rc for rc in rcs if rc not in (0, 1, 5)]
+    if failed or crashed:
+        row = R.Row(name, "FAIL", 0, detail + (f" (pytest exit {bad[0]})" if bad else ""))
+    elif timed_out:
+        row = R.Row(name, "TIMEOUT", 0, f"stopped after {t:.0f}s; {detail}")
+    elif bad and not slow:
+        row = R.Row(
+            name, "FAIL", 0, f"pytest exit {bad[0]} (error before or between tests); {detail}"
+        )
+    elif slow:
+        row = R.Row(name, "TIMEOUT", 0, detail)
+    elif n["passed"] == 0:
+        row = R.Row(name, "SKIPPED", 0, "nothing ran: " + (detail if tests else "no test selected"))
+    else:
+        row = R.Row(name, "ok", 0, detail)
+    row.tests = tests
+    return row
+
+
 def run_pytest(check, step: Step, t: float, log: Path) -> R.Row:
     files = pytest_files(check, step)
     if not files:
         return R.Row(step.name, "skipped: no files", 0, "no test file with GPU tests left for it")
     results = check.work / f"{step.name}.tests.jsonl"
-    end = time.monotonic() + t
-    rcs, timed_out = [], False
-    if check.dry:
-        rcs.append(check.run(check.fake("pytest", step, str(results)), log, t)[0])
-        timed_out = rcs[-1] == 124
-    else:
-        base = [check.py, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-p", "gpu_check_pytest",
-                f"--gpu-check-results={results}", "-m", step.marker]  # fmt: skip
-        if step.smoke:
-            base.append("--gpu-check-smoke=" + ",".join(SMOKE_TESTS))
-        if have("pytest_timeout"):
-            base += [f"--timeout={step.per_test_s:.0f}", "--timeout-method=signal"]
-        parallel = step.workers > 1 and have("xdist") and os.environ.get("GPU_CHECK_XDIST") != "0"
-        runs = [(["-k", f"not ({step.serial_k})"] if step.serial_k else [], parallel)]
-        if step.serial_k:
-            runs.append((["-k", step.serial_k], False))
-        for extra, par in runs:
-            argv = base + extra + (["-n", str(step.workers)] if par else []) + files
-            rc, timed_out = check.run(argv, log, end - time.monotonic())
-            rcs.append(rc)
-            if timed_out:
-                break
+    rcs, timed_out = _pytest(check, step, files, t, log, results)
     tests, unmatched = R.read_test_results(results)
-    n = R.count_tests(tests)
-    failed = [R.short_id(x["nodeid"]) for x in tests if x["outcome"] in ("failed", "error")]
-    parts = [f"{n['passed']} passed"]
-    if failed:
-        parts.insert(
-            0,
-            f"{len(failed)} failed: {', '.join(failed[:6])}{' ...' if len(failed) > 6 else ''}",
-        )
-    if n["skipped"]:
-        reason = next((x["message"] for x in tests if x["outcome"] == "skipped"), "")
-        parts.append(f"{n['skipped']} skipped ({reason[:120]})")
-    unfinished = [R.short_id(x["nodeid"]) for x in tests if not x["outcome"]]
-    if unfinished:
-        parts.append(f"did not finish: {', '.join(unfinished[:4])}")
-    if unmatched:
-        parts.append(f"smoke names not found: {', '.join(unmatched)}")
-    detail = "; ".join(parts)
-    row = R.Row(step.name, "ok", 0, detail, tests=tests)
-    if timed_out:
-        row.status, row.detail = "TIMEOUT", f"stopped after {t:.0f}s; {detail}"
-    elif failed or any(rc not in (0, 5) for rc in rcs):
-        bad = [rc for rc in rcs if rc not in (0, 1, 5)]
-        row.status = "FAIL"
-        if bad and not failed:
-            row.detail = f"pytest exit {bad[0]} (error before or between tests); {detail}"
-    elif n["passed"] == 0:
-        row.status = "SKIPPED"
-        row.detail = "nothing ran: " + (detail if tests else "no test selected")
-    return row
+    return pytest_row(step.name, tests, rcs, timed_out, t, unmatched)
+
+
+def run_pytest_group(check, members: list[Step], whole: Step, t: float, log: Path) -> list[R.Row]:
+    """The members' files in one pytest process; each test's row is its file's step's. A
+    member the deadline reached before its tests ran is TIMEOUT, not failed."""
+    owner: dict[str, str] = {}
+    for m in members:
+        for f in pytest_files(check, m):
+            owner.setdefault(f, m.name)
+        owner[f"tests/test_{m.name}.py"] = m.name  # the dry run's fake test files
+    files = [f for f in owner if (ROOT / f).exists()]
+    results = check.work / f"{members[0].group}.tests.jsonl"
+    start = time.monotonic()
+    rcs, timed_out = _pytest(check, whole, files, t, log, results, members)
+    took = time.monotonic() - start
+    tests, unmatched = R.read_test_results(results)
+    mine = {m.name: [x for x in tests if owner.get(x["nodeid"].split("::")[0]) == m.name]
+            for m in members}  # fmt: skip
+    crashed_in = next((m.name for m in members if any(not x["outcome"] for x in mine[m.name])),
+                      None) if not timed_out else None  # fmt: skip
+    rows = []
+    reached = True  # members after the one the deadline stopped never started
+    for m in members:
+        got = mine[m.name]
+        if crashed_in and not got and not reached:
+            row = R.Row(m.name, "not run", 0, f"the shared pytest process crashed in {crashed_in}")
+        elif not got and (timed_out or not reached):
+            row = R.Row(m.name, "TIMEOUT", 0, f"the shared run ({whole.name}) ran out of its "
+                        f"{t:.0f}s before this step's tests started")  # fmt: skip
+            reached = False
+        else:
+            cut = timed_out and any(not x["outcome"] for x in got)
+            own_rcs = rcs if crashed_in in (None, m.name) else [0]
+            row = pytest_row(m.name, got, own_rcs, cut, t, unmatched if m is members[0] else [])
+            if cut or m.name == crashed_in:
+                reached = False
+            elif timed_out and row.status == "SKIPPED" and not got:
+                row.status = "TIMEOUT"
+        row.seconds = sum(x["duration"] for x in got)
+        rows.append(row)
+    if rows and not any(r.seconds for r in rows):
+        rows[0].seconds = took
+    return rows
 
 
 def run_cmd(check, step: Step, t: float, log: Path) -> R.Row:
@@ -264,7 +396,7 @@ def run_cmd(check, step: Step, t: float, log: Path) -> R.Row:
     if report:
         check.reports.append((REPORT_TITLES.get(step.name, step.name), report))
     if timed_out:
-        status = "incomplete" if step.optional else "TIMEOUT"
+        status = "TIMEOUT"  # an optional step's does not make the run INCOMPLETE
         return R.Row(step.name, status, 0, f"stopped after {t:.0f}s; {detail}")
     bad = [rc for rc in rcs if rc != 0]
     return R.Row(

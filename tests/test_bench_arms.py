@@ -178,3 +178,35 @@ def test_cuda_auto_direction_pulls_the_pairs_the_plan_pulls():
             assert code == (PULL if (s, d) in pulled else t.pair_transport[s][d])
     assert t._with_pull()
     assert t.direction_reasons[0][2] == "topology plan (RankPlan.pair_direction)"
+
+
+def test_nccl_ep_arm_says_not_installed(monkeypatch):
+    """``bench --backend cuda`` reports NCCL EP in every config: here (no nccl_ep package)
+    "not installed" through the real import path, and the report prints it as the arm's
+    NOT RUN line; a package without its library, or one that imports, is said so too."""
+    import importlib.util
+    import sys
+    import types
+
+    from pcie_a2a.bench import arms, nccl_ep
+
+    if importlib.util.find_spec("nccl_ep") is not None:
+        pytest.skip("nccl_ep is installed here")
+    ok, what = nccl_ep.status()
+    assert not ok and what == "not installed (import nccl_ep: No module named 'nccl_ep')"
+    why = nccl_ep.unavailable_reason()
+    ours = {"disp+comb": {"p50_us": 10.0, "p99_us": 12.0}}
+    summary = [{"tokens": 8, "payload": "bf16", "routing": "uniform",
+                "methods": {"pcie_a2a": {"phases": ours}},
+                "arms": arms.summarize(ours, {}, {nccl_ep.ARM: why})}]  # fmt: skip
+    assert f"  nccl_ep         NOT RUN: {why}" in arms.lines(summary)
+    assert arms.checks(summary, {"bf16": 0.02}) == []
+    fake = types.ModuleType("nccl_ep")
+    fake.HAVE_NCCL_EP = False
+    monkeypatch.setitem(sys.modules, "nccl_ep", fake)
+    assert nccl_ep.status() == (
+        False, "not installed (the nccl_ep package imports but finds no libnccl_ep.so)"
+    )  # fmt: skip
+    fake.HAVE_NCCL_EP, fake.__version__ = True, "0.1"
+    assert nccl_ep.status() == (True, "nccl_ep 0.1")
+    assert nccl_ep.unavailable_reason().startswith("installed (nccl_ep 0.1) but not timed")

@@ -14,6 +14,7 @@ import io
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -38,7 +39,7 @@ TREE = (
     "tests/test_other_gpu.py", "benchmarks/bench_moe_gemm.py", "benchmarks/bench_cuda_one_gpu.py",
     "benchmarks/bench_allreduce_one_gpu.py", "csrc/bindings/transport.cpp", "csrc/bindings/cuda.cu",
     "csrc/bindings/cuda_transport.cu", "csrc/bindings/moe_int4.cu", "csrc/bindings/allreduce.cpp",
-    "csrc/bindings/allreduce_cuda.cu", "CMakeLists.txt",
+    "csrc/bindings/allreduce_cuda.cu", "CMakeLists.txt", "tests/test_allreduce_gpu.py",
 )  # fmt: skip
 OUT_NAME = re.compile(r"^[A-Za-z0-9._-]+$")
 
@@ -144,11 +145,16 @@ def test_plan_fits_the_default_budget():
     counted = [s for s in doc["steps"] if s["counted"]]
     assert sum(s["cap_s"] for s in counted) + doc["reserve_s"] <= doc["budget_s"] == 480
     names = {s["name"] for s in counted}
-    assert {"preflight", "build", "transport_smoke", "stress", "transport_rest", "int4",
-            "bench_moe_gemm", "bench_one_gpu", "bench_allreduce", "kernels"} <= names  # fmt: skip
+    assert names == {"preflight", "build", "transport_smoke", "stress", "transport_rest",
+                     "inprocess", "allreduce", "gpu_other", "int4", "topo"}  # fmt: skip
     assert all(0 < s["min_s"] <= s["cap_s"] for s in doc["steps"])
     spare = {s["name"] for s in doc["steps"] if s["optional"]}
-    assert spare == {"sanitizer"}  # only in time left over
+    # the benchmarks run only in time left over: slowness there never makes the run fail
+    assert spare == {"bench_allreduce", "bench_one_gpu", "bench_moe_gemm", "kernels",
+                     "bench_nccl", "sanitizer"}  # fmt: skip
+    # the device machine: at most 600 s a command, so the budget leaves room for the start
+    # of the command, the carried wheels and the copy of $OUT
+    assert doc["budget_s"] <= 540
     assert {s["name"] for s in doc["steps"] if s["min_gpus"] > 1} == {"bench_nccl"}
 
 
@@ -187,14 +193,16 @@ def test_dry_run_passes_and_returns_only_what_the_device_tool_keeps(tmp_path):
     text = "\n".join(line for _, line in lines)
     assert rc == 0, text
     rows = rows_of(lines)
-    assert list(rows) == ["preflight", "build_tools", "build", "transport_smoke", "stress",
-                          "transport_rest", "inprocess", "gpu_other", "int4", "bench_moe_gemm",
-                          "bench_one_gpu", "bench_allreduce", "kernels", "topo", "bench_nccl",
-                          "sanitizer"], text  # fmt: skip
+    assert list(rows) == ["preflight", "build_tools", "build", "transport_smoke",
+                          "transport_rest", "inprocess", "stress", "allreduce", "gpu_other",
+                          "int4", "topo", "bench_allreduce", "bench_one_gpu", "bench_moe_gemm",
+                          "kernels", "bench_nccl", "sanitizer"], text  # fmt: skip
     assert rows["inprocess"][1] == "missing"
     assert rows["bench_nccl"][1] == "skipped: 1 GPU"
     assert all(rows[n][1] == "ok" for n in rows if n not in ("inprocess", "bench_nccl")), rows
     assert "verdict: DRY RUN PASS" in text
+    assert "  > stress+allreduce (one pytest process" in text  # the serial group: one process
+    assert text.rstrip().endswith("continue: nothing left to run"), text[-300:]
     assert check_out_dir(out) == {"gpu_check_summary.txt", "gpu_check_junit.xml",
                                   "gpu_check_results.json", "gpu_check_logs.tar.gz",
                                   "gpu_check_modules.tar.gz"}  # fmt: skip
@@ -214,10 +222,14 @@ def test_dry_run_failure_hang_and_budget(tmp_path):
     text = "\n".join(line for _, line in lines)
     assert rc == 1, text
     rows = rows_of(lines)
+    # a wrong result is FAIL; the hang ran out of time: not a failure, the run unfinished
     assert rows["transport_smoke"][1] == "FAIL" and rows["stress"][1] == "TIMEOUT", rows
+    assert rows["transport_rest"][1] == "ok", rows
     assert re.search(r"^stress .*did not finish: test_a", text, re.M), text
-    for name in ("transport_rest", "gpu_other", "int4", "bench_moe_gemm", "bench_one_gpu",
-                 "bench_allreduce", "kernels", "topo", "sanitizer"):  # fmt: skip
+    # stress and allreduce share one pytest process: the hang left allreduce no time
+    assert rows["allreduce"][1] == "TIMEOUT" and "before this step's tests started" in text
+    for name in ("gpu_other", "int4", "topo", "bench_moe_gemm", "bench_one_gpu",
+                 "bench_allreduce", "kernels", "sanitizer"):  # fmt: skip
         assert rows[name][1] == "skipped: budget", (name, rows)
     assert rows["inprocess"][1] == "missing"
     # each row was printed when its step ended, not at the end: the hang came between
@@ -229,16 +241,87 @@ def test_dry_run_failure_hang_and_budget(tmp_path):
     assert at and row_at[0] < at[0] < next(
         i for i, (_, ln) in enumerate(lines) if ln.startswith("stress ")
     )
-    assert "verdict: DRY RUN FAIL: 2 of" in text and "transport_smoke, stress" in text
+    verdict = next(ln for _, ln in lines if ln.startswith("verdict: "))
+    assert verdict.startswith("verdict: DRY RUN FAIL: 1 of") and "(transport_smoke)" in verdict
+    assert "not finished: stress, allreduce, gpu_other, int4, topo" in verdict, verdict
     # the hung step's child died with it
-    pid = int(archive_members(out)["gpu_check/stress.child_pid"])
+    pid = int(archive_members(out)["gpu_check/serial.child_pid"] if "gpu_check/serial.child_pid"
+              in archive_members(out) else archive_members(out)["gpu_check/stress.child_pid"])  # fmt: skip
     assert _gone(pid), f"the hung step's child {pid} is still running"
     check_out_dir(out)
     suite = ET.parse(out / "gpu_check_junit.xml").getroot()
-    assert suite.get("failures") == "3"  # two steps and the fake failing test
-    assert suite.get("errors") == "1"  # the test the hang never finished
+    assert suite.get("failures") == "2"  # the failed step and its failing test
+    assert suite.get("errors") == "0"  # the test the deadline stopped is skipped, not an error
     summary = (out / "gpu_check_summary.txt").read_text()
     assert "skipped: budget" in summary and "AssertionError: boom in transport_smoke" in summary
+    # the last line: the command that runs what did not finish (not what failed), with the
+    # modules this run built
+    cont = text.rstrip().splitlines()[-1].strip()
+    assert cont == (
+        "GPU_CHECK_PREBUILT=build/gpu-prebuilt/gpu_check_modules.tar.gz "
+        "GPU_CHECK_CAPS=stress=100 GPU_CHECK_TIME_SCALE=0.05 GPU_CHECK_ONLY=stress,allreduce,"
+        "gpu_other,int4,topo,bench_allreduce,bench_one_gpu,bench_moe_gemm,kernels,sanitizer "
+        f"BUDGET_S={_continue_budget(repo, 'stress,allreduce,gpu_other,int4,topo,bench_allreduce,bench_one_gpu,bench_moe_gemm,kernels,sanitizer')} "
+        "LOG_DIR=$OUT bash scripts/gpu_check.sh"
+    ), cont
+    assert summary.rstrip().endswith(cont)
+
+
+def _continue_budget(repo: Path, steps: str) -> str:
+    doc = json.loads(
+        subprocess.run(
+            [sys.executable, str(repo / "scripts" / "gpu_check.py"), "--plan-json"],
+            env=_env(GPU_CHECK_TIME_SCALE="0.05", GPU_CHECK_CAPS="stress=100"),
+            capture_output=True, text=True, check=False,
+        ).stdout
+    )  # fmt: skip
+    caps = {s["name"]: s["cap_s"] for s in doc["steps"]}
+    total = caps["preflight"] + min(caps["build"], 15) + doc["reserve_s"]
+    return f"{min(480, total + sum(caps[n] for n in steps.split(','))):.0f}"
+
+
+def test_dry_run_slowness_is_incomplete_and_the_continue_command_finishes_it(tmp_path):
+    """Out of time (the step's deadline, a per-test timeout) is INCOMPLETE, exit 4, never
+    FAIL; the printed continue command, run with the returned modules, runs exactly the
+    steps left, without a rebuild."""
+    repo, out = fake_repo(tmp_path), tmp_path / "out"
+    rc, lines = dry_run(repo, out, GPU_CHECK_FAKE="stress=hang,int4=slowtest",
+                        GPU_CHECK_TIME_SCALE="0.05", GPU_CHECK_CAPS="stress=3", BUDGET_S="30")  # fmt: skip
+    text = "\n".join(line for _, line in lines)
+    rows = rows_of(lines)
+    assert rc == 4, text
+    assert rows["stress"][1] == "TIMEOUT" and rows["allreduce"][1] == "TIMEOUT", rows
+    assert rows["int4"][1] == "TIMEOUT" and "over the per-test timeout" in text, rows
+    assert all(rows[n][1] == "ok" for n in ("transport_smoke", "gpu_other", "topo")), rows
+    assert re.search(r"^verdict: DRY RUN INCOMPLETE: no failure; 3 not finished .*stress, "
+                     r"allreduce, int4\)$", text, re.M), text  # fmt: skip
+    cont = text.rstrip().splitlines()[-1].strip()
+    assert "GPU_CHECK_ONLY=stress,allreduce,int4 " in cont, cont
+    prebuilt = tmp_path / "build" / "gpu-prebuilt"
+    prebuilt.mkdir(parents=True)
+    shutil.copy(out / "gpu_check_modules.tar.gz", prebuilt)
+    argv = shlex.split(
+        cont.replace("build/gpu-prebuilt", str(prebuilt)).replace("$OUT", str(tmp_path / "again"))
+    )
+    env = dict(a.split("=", 1) for a in argv if "=" in a and not a.startswith("-"))
+    assert env.pop("LOG_DIR") == str(tmp_path / "again")
+    rc, lines = dry_run(repo, tmp_path / "again", GPU_CHECK_FAKE="build=fail", **env)
+    rows, text = rows_of(lines), "\n".join(ln for _, ln in lines)
+    assert rc == 0, text
+    assert rows["build"][1] == "ok" and "prebuilt: 6 modules" in text, text
+    ran = [n for n, (_, st) in rows.items() if st == "ok"]
+    assert ran == ["preflight", "build_tools", "build", "stress", "allreduce", "int4"], rows
+    assert text.rstrip().endswith("continue: nothing left to run")
+
+
+def test_dry_run_crash_is_a_failure_and_the_group_after_it_did_not_run(tmp_path):
+    repo, out = fake_repo(tmp_path), tmp_path / "out"
+    rc, lines = dry_run(repo, out, GPU_CHECK_FAKE="stress=crash", GPU_CHECK_ONLY="stress,allreduce")
+    rows, text = rows_of(lines), "\n".join(ln for _, ln in lines)
+    assert rc == 1, text
+    assert rows["stress"][1] == "FAIL" and "crashed in: test_a" in text, rows
+    assert rows["allreduce"][1] == "not run" and "crashed in stress" in text, rows
+    assert "GPU_CHECK_ONLY=allreduce " in text.rstrip().splitlines()[-1]
 
 
 def _gone(pid: int) -> bool:
@@ -267,9 +350,19 @@ def test_dry_run_module_not_built_and_prebuilt_modules(tmp_path):
                         GPU_CHECK_FAKE_MODULES="_transport,_cuda,_cuda_transport")  # fmt: skip
     rows, text = rows_of(lines), "\n".join(ln for _, ln in lines)
     assert rc == 1 and rows["build"][1] == "FAIL"
-    assert re.search(r"not built: [\w ]*_moe_int4", text), text
+    # per module: the ones that built, and each one that failed with its sources
+    assert re.search(r"^build +FAIL .*3 of 6 modules .*built: _cuda _cuda_transport _transport;"
+                     r".* _moe_int4 FAILED: did not compile: csrc/bindings/moe_int4.cu", text, re.M), text  # fmt: skip
     assert rows["int4"][1] == "skipped: no module" and "needs pcie_a2a._moe_int4" in text
     assert rows["stress"][1] == "ok"
+    # its modules come back with their status: the next call neither rebuilds the three
+    # nor tries the failed ones again on the same sources
+    partial = str(tmp_path / "a" / "gpu_check_modules.tar.gz")
+    rc, lines = dry_run(repo, tmp_path / "a2", GPU_CHECK_PREBUILT=partial,
+                        GPU_CHECK_FAKE="build=fail", GPU_CHECK_ONLY="stress")  # fmt: skip
+    rows, text = rows_of(lines), "\n".join(ln for _, ln in lines)
+    assert rc == 1 and rows["build"][1] == "FAIL" and rows["stress"][1] == "ok", text
+    assert "in the prebuilt run, same sources: not rebuilt" in text and "fake build" not in text
     # a full build's modules come back and spare the next call its build
     assert dry_run(repo, tmp_path / "b", GPU_CHECK_ONLY="topo")[0] == 0
     prebuilt = str(tmp_path / "b" / "gpu_check_modules.tar.gz")
@@ -305,8 +398,9 @@ def test_dry_run_interrupted_still_reports(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert rc == 1, rest
-    assert re.search(r"^interrupted\s+FAIL\s.*SIGTERM", rest, re.M), rest
+    assert rc == 4, rest  # stopped from outside (the device tool's limit): INCOMPLETE
+    assert re.search(r"^interrupted\s+interrupted\s.*SIGTERM", rest, re.M), rest
+    assert re.search(r"GPU_CHECK_ONLY=stress,allreduce,gpu_other,.*LOG_DIR=\$OUT", rest), rest
     assert "stress" not in json.loads((out / "gpu_check_results.json").read_text())["tests"]
     pid = int(archive_members(out)["gpu_check/stress.child_pid"])
     assert _gone(pid)
@@ -472,3 +566,86 @@ def test_bench_steps_pass_their_scripts_argument_checks(tmp_path):
         refused_flag = re.search(r": --[a-z-]+[ :]", out)  # "bench: --iters 10: ..." style
         assert r.returncode == 2 and "usage:" not in out and not refused_flag, (argv, out)
         assert re.search(r"GPU|CUDA (driver|device)", out), (argv, out)
+
+
+# ---- scripts/dev_build.sh for real, on a small tree ------------------------------------------
+def _small_tree(tmp_path: Path, cuda: bool) -> Path:
+    """CMakeLists.txt and dev_build.sh with a tiny csrc: a good pybind11 module, a binding
+    that does not compile and, with nvcc, a CUDA part that does not compile (csrc/cuda/broken)
+    beside one that does, each included by its own binding."""
+    repo = tmp_path / "tree"
+    for d in ("scripts", "csrc/core", "csrc/bindings", "python/pcie_a2a"):
+        (repo / d).mkdir(parents=True)
+    shutil.copy2(ROOT / "CMakeLists.txt", repo)
+    shutil.copy2(SCRIPTS / "dev_build.sh", repo / "scripts")
+    (repo / "csrc/core/a.cpp").write_text("int pa2a_answer() { return 42; }\n")
+    (repo / "csrc/bindings/ok.cpp").write_text(
+        "#include <pybind11/pybind11.h>\nint pa2a_answer();\n"
+        'PYBIND11_MODULE(_ok, m) { m.def("answer", &pa2a_answer); }\n'
+    )
+    (repo / "csrc/bindings/bad.cpp").write_text("int f() { return 1 }\n")
+    if cuda:
+        for part, body in (("good", "return 7;"), ("broken", "return undeclared_name;")):
+            (repo / "csrc/cuda" / part).mkdir(parents=True)
+            (repo / "csrc/cuda" / part / "k.cuh").write_text(f"#pragma once\nint {part}_k();\n")
+            (repo / "csrc/cuda" / part / "k.cu").write_text(
+                f'#include "cuda/{part}/k.cuh"\nint {part}_k() {{ {body} }}\n'
+            )
+            (repo / "csrc/bindings" / f"{part}_cu.cu").write_text(
+                f'#include "cuda/{part}/k.cuh"\nextern "C" int {part}_entry() {{ return {part}_k(); }}\n'
+            )
+    return repo
+
+
+def test_dev_build_goes_on_past_a_broken_source_and_reports_per_module(tmp_path):
+    """A source that does not compile sinks only the modules that need it: the others are
+    built and installed, one line per module says which failed on which source."""
+    if shutil.which("cmake") is None:
+        pytest.skip("cmake is not installed")
+    cuda = shutil.which("nvcc") is not None
+    repo = _small_tree(tmp_path, cuda)
+    env = _env(PYTHON=sys.executable, PCIE_A2A_WITH_CUDA="1" if cuda else "0",
+               PCIE_A2A_CUDA_ARCHS="90-real", JOBS="2")  # fmt: skip
+    r = subprocess.run(["bash", str(repo / "scripts/dev_build.sh")], cwd=repo, env=env,
+                       capture_output=True, text=True, timeout=600)  # fmt: skip
+    out = r.stdout + r.stderr
+    assert r.returncode == 1, out
+    status = (repo / "build/dev/pcie_a2a_modules_status.txt").read_text().splitlines()
+    want = {"_ok ok", "_bad FAILED: did not compile: csrc/bindings/bad.cpp"}
+    if cuda:
+        want |= {"_good_cu ok", "_broken_cu FAILED: did not compile: csrc/cuda/broken/k.cu"}
+    assert set(status) == want, out
+    installed = sorted(p.name.split(".")[0] for p in (repo / "python/pcie_a2a").glob("_*.so"))
+    assert installed == (["_good_cu", "_ok"] if cuda else ["_ok"]), out
+    r = subprocess.run([sys.executable, "-c", "import _ok; print(_ok.answer())"],
+                       cwd=repo / "python/pcie_a2a", capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert r.stdout.strip() == "42", r.stdout + r.stderr
+
+
+def test_dev_build_names_every_missing_tool_before_configuring(tmp_path):
+    """Without cmake, a compiler, ninja/make and nvcc on PATH: each is named, exit 2, and
+    nothing was configured."""
+    repo = _small_tree(tmp_path, cuda=False)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("bash", "dirname", "awk", "grep", "head", "cut", "mkdir", "rm", "cp", "mv",
+                 "tee", "sed", "sort"):  # fmt: skip
+        found = shutil.which(tool)
+        if found:
+            (bin_dir / tool).symlink_to(found)
+    env = _env(PATH=str(bin_dir), PYTHON=sys.executable, PCIE_A2A_WITH_CUDA="1")
+    env.pop("CXX", None)
+    env.pop("CUDACXX", None)
+    env.pop("PCIE_A2A_CUDA_TOOLKIT", None)
+    r = subprocess.run([str(bin_dir / "bash"), str(repo / "scripts/dev_build.sh")], cwd=repo,
+                       env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert r.returncode == 2, r.stdout + r.stderr
+    for what in (
+        "cmake (>= 3.24)",
+        "a C++ compiler",
+        "ninja or make",
+        "nvcc (PCIE_A2A_WITH_CUDA=1",
+    ):
+        assert f"  - {what}" in r.stderr, (what, r.stderr)
+    assert "Python.h" not in r.stderr and "pybind11" not in r.stderr, r.stderr
+    assert not (repo / "build").exists()

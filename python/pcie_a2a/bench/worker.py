@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 import pcie_a2a
-from pcie_a2a.bench import arms, device, memory
+from pcie_a2a.bench import arms, device, memory, nccl_ep
 from pcie_a2a.bench.methods import (
     AllGatherReduceScatter,
     AllReduceEP,
@@ -93,6 +93,7 @@ def run_sweep(cfg: dict, group=None, emit=None) -> dict | None:
     reduce = na or reduce
     emit = emit if rank == 0 and emit is not None else (lambda kind, value: None)
     emit("meta", {"ag_rs_reduce": reduce, "baselines_na": na})
+    nccl_ep_why = nccl_ep.unavailable_reason() if cfg["backend"] == "cuda" else ""
     combos = [(t, p) for t in cfg["tokens"] for p in cfg["payloads"]]
     total = len(combos) * len(cfg["routings"])
     done, results, start = 0, [], time.monotonic()
@@ -139,6 +140,8 @@ def run_sweep(cfg: dict, group=None, emit=None) -> dict | None:
                 ]
             else:
                 unavailable[arms.AR_EP] = na
+            if cfg["backend"] == "cuda":  # NCCL's own EP: beside the NCCL baselines
+                unavailable[nccl_ep.ARM] = nccl_ep_why
             for routing in cfg["routings"]:
                 done += 1
                 label = f"{done}/{total} tokens={tokens} payload={payload} routing={routing}"
