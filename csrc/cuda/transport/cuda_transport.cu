@@ -681,7 +681,7 @@ KernelContext CudaTransport::context() const {
   k.num_local_experts = num_local_experts_;
   k.peers = table_dev_;
   k.state = state_;
-  k.err = err_dev_;
+  k.err = ErrorSink{err_dev_, state_ == nullptr ? nullptr : &state_->timed_out};
   k.placement = placement_;
   k.ecount = ecount_ws_;
   k.cnt_ws = cnt_ws_;
