@@ -36,12 +36,18 @@ ballot rank, warp scan, last-block publish, copy-engine parity, staged progress,
 here. A reversed
 summation order is not among them: with these inputs its sums round the same.
 
+Two parts of the memory and launch model are checked on top: the lane views poison a staged
+row from the acquire of its mark until a barrier that orders memory (``__syncwarp``,
+``__syncthreads``) completes for the acquiring warp, so a warp that hands an acquire on with
+only a shuffle or ballot reads garbage; and a flag wait after ``griddep_launch_dependents``
+in the same block fails the run (a dependent kernel would be resident while it spins).
+
 What it cannot show: memory ordering across real PCIe (the model is sequentially
 consistent within the CPU; a missing fence is invisible), true concurrency of the warps
 of a block (they interleave only at barriers and warp collectives) or of blocks (they run
 one after another, so a work item's wait for an earlier item is always satisfied and the
-staged drain sees whole rows), programmatic dependent launch (launches run in order),
-timing, and the compiled SASS.
+staged drain sees whole rows), the effect of programmatic dependent launch (launches run
+in order; only where a kernel triggers is checked), timing, and the compiled SASS.
 """
 
 from __future__ import annotations
