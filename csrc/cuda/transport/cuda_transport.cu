@@ -54,12 +54,6 @@ int attribute(cudaDeviceAttr a, int device) {
   return v;
 }
 
-bool capturing(cudaStream_t stream) {
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  return cudaStreamIsCapturing(stream, &status) == cudaSuccess &&
-         status != cudaStreamCaptureStatusNone;
-}
-
 // The close mark a rank writes into its peers' headers (any value the bootstrap's ranks
 // agree on and a fresh segment does not hold).
 uint64_t close_mark(uint64_t nonce) {
