@@ -459,7 +459,7 @@ MUTATIONS = [
     ("cuda/allreduce/device.cuh", "        if (timed_out_elsewhere(k)) {\n          bad = true;\n          break;\n        }\n", "", "w2_timeout"),
     # a timeout is not echoed into DeviceState: the other blocks, which poll the echo and not
     # the host-mapped word, each wait out their own timeout
-    ("cuda/allreduce/device.cuh", "      *reinterpret_cast<volatile uint32_t*>(&k.state->timed_out) = 1u;\n", "", "w2_timeout"),
+    ("cuda/allreduce/device.cuh", "      *reinterpret_cast<volatile uint32_t*>(&k.state->timed_out) = 1u;\n", "      (void)k;\n", "w2_timeout"),
     # host: close() forgets the call state (the model lists what a rank still holds)
     ("cuda/allreduce/communicator.cu", "  (void)cudaFree(state_);\n", "", "w1"),
 ]  # fmt: skip
