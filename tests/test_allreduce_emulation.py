@@ -457,6 +457,9 @@ MUTATIONS = [
     ("cuda/allreduce/kernels.cu", "  wait_begun(k, seq);\n", "", "w2_abort_skew"),
     # every block waits out its own timeout after the first one expired
     ("cuda/allreduce/device.cuh", "        if (timed_out_elsewhere(k)) {\n          bad = true;\n          break;\n        }\n", "", "w2_timeout"),
+    # a timeout is not echoed into DeviceState: the other blocks, which poll the echo and not
+    # the host-mapped word, each wait out their own timeout
+    ("cuda/allreduce/device.cuh", "      *reinterpret_cast<volatile uint32_t*>(&k.state->timed_out) = 1u;\n", "      (void)k;\n", "w2_timeout"),
     # host: close() forgets the call state (the model lists what a rank still holds)
     ("cuda/allreduce/communicator.cu", "  (void)cudaFree(state_);\n", "", "w1"),
 ]  # fmt: skip
@@ -514,3 +517,15 @@ def test_emulated_sources_are_the_kernels():
         for fn in used:
             if f" {fn}(" in real:
                 assert f" {fn}(" in emu, (name, fn)
+
+
+def test_close_waits_for_its_own_work_only():
+    """The all-reduce's and the transport's host code never call cudaDeviceSynchronize (it
+    also waits for NCCL's and every other stream's work, and for kernels that wait on
+    peers): close waits on the event of its own last call."""
+    for sub in ("allreduce", "transport"):
+        for path in (CSRC / "cuda" / sub).iterdir():
+            code = [ln.split("//")[0] for ln in path.read_text().splitlines()]
+            assert not any("cudaDeviceSynchronize(" in ln for ln in code), path.name
+    comm = (CSRC / "cuda" / "allreduce" / "communicator.cu").read_text()
+    assert "cudaEventSynchronize(done_)" in comm and "mark_done(stream);" in comm

@@ -36,12 +36,18 @@ ballot rank, warp scan, last-block publish, copy-engine parity, staged progress,
 here. A reversed
 summation order is not among them: with these inputs its sums round the same.
 
+Two parts of the memory and launch model are checked on top: the lane views poison a staged
+row from the acquire of its mark until a barrier that orders memory (``__syncwarp``,
+``__syncthreads``) completes for the acquiring warp, so a warp that hands an acquire on with
+only a shuffle or ballot reads garbage; and a flag wait after ``griddep_launch_dependents``
+in the same block fails the run (a dependent kernel would be resident while it spins).
+
 What it cannot show: memory ordering across real PCIe (the model is sequentially
 consistent within the CPU; a missing fence is invisible), true concurrency of the warps
 of a block (they interleave only at barriers and warp collectives) or of blocks (they run
 one after another, so a work item's wait for an earlier item is always satisfied and the
-staged drain sees whole rows), programmatic dependent launch (launches run in order),
-timing, and the compiled SASS.
+staged drain sees whole rows), the effect of programmatic dependent launch (launches run
+in order; only where a kernel triggers is checked), timing, and the compiled SASS.
 """
 
 from __future__ import annotations
@@ -961,6 +967,26 @@ MUTATIONS = [
     # every receive block waits out its own full timeout after the first one expired
     ("device_protocol.cuh", "      if (timed_out_elsewhere(err)) return false;\n", "",
      "w8_only_rank0_calls"),
+    # a timeout is not echoed into this GPU's memory: the other waiters, which poll the echo
+    # and not the host-mapped word, each wait out their own timeout
+    ("device_protocol.cuh",
+     "    if (is_timeout(code)) *reinterpret_cast<volatile uint32_t*>(err.timed_out) = 1u;\n",
+     "", "w8_only_rank0_calls"),
+    # the warp hand-off of a staged row mark / combine chunk marks without the __syncwarp:
+    # the other lanes read the rows after only a shuffle / ballot (no ordering in PTX; the
+    # model's lane views poison a row from its mark's acquire until a memory barrier)
+    ("kernels_recv.cu", "  __syncwarp();  // lane 0's acquire -> every lane's reads of the row\n", "",
+     "w2_fp8_staged_raw"),
+    ("staged_progress.cuh",
+     "  __syncwarp();  // each lane's acquires -> every lane's reads of the partials\n", "",
+     "w2_fp8_staged_raw", ("kernels_combine.cu",)),
+    # a spinning receive kernel triggers its dependents at entry, before its waits (the
+    # model fails a flag wait after the trigger in the same block)
+    ("kernels_recv.cu", "  griddep_wait();\n  __shared__ int32_t n_sh;\n",
+     "  griddep_wait();\n  griddep_launch_dependents();\n  __shared__ int32_t n_sh;\n",
+     "w2_bf16_p2p"),
+    ("kernels_combine.cu", "  griddep_wait();\n  __shared__ int fail;\n",
+     "  griddep_wait();\n  griddep_launch_dependents();\n  __shared__ int fail;\n", "w2_bf16_p2p"),
     # host: a staged sender's rows are looked for in the receiver's device segment
     (
         "cuda_transport.cu",

@@ -8,6 +8,7 @@
 
 namespace pa2a::ar {
 
+using cuda::capturing;
 using cuda::check_launch;
 using cuda::DeviceGuard;
 using cuda::open_ipc_handle;
@@ -55,6 +56,7 @@ CudaAllReduce::CudaAllReduce(int32_t rank, const Config& config, int32_t device,
         cudaHostAlloc(&err_host_, sizeof(uint64_t), cudaHostAllocMapped | cudaHostAllocPortable));
     *err_host_ = 0;
     PA2A_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&err_dev_), err_host_, 0));
+    PA2A_CUDA_CHECK(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming));
   } catch (...) {
     close();
     throw;
@@ -115,9 +117,10 @@ void CudaAllReduce::close() {
   int prev = -1;
   (void)cudaGetDevice(&prev);
   (void)cudaSetDevice(device_);
-  // Kernels never wait without a deadline, so this returns; it keeps the segment alive
-  // until our own in-flight calls are done. Errors are swallowed: close releases what it can.
-  (void)cudaDeviceSynchronize();
+  // Our own last call (kernels never wait without a deadline, so this returns): the segment
+  // stays alive until it is done. Errors are swallowed: close releases what it can.
+  if (done_recorded_) (void)cudaEventSynchronize(done_);
+  done_recorded_ = false;
   for (auto& p : ipc_opened_) {
     if (p != nullptr) (void)cudaIpcCloseMemHandle(p);
     p = nullptr;
@@ -125,6 +128,8 @@ void CudaAllReduce::close() {
   (void)cudaFree(seg_);
   (void)cudaFree(state_);
   if (err_host_ != nullptr) (void)cudaFreeHost(err_host_);
+  if (done_ != nullptr) (void)cudaEventDestroy(done_);
+  done_ = nullptr;
   seg_ = nullptr;
   state_ = nullptr;
   err_host_ = err_dev_ = nullptr;
@@ -208,6 +213,7 @@ void CudaAllReduce::run(Algo algo, DType dtype, const void* x, int64_t numel, co
   ++host_calls_;
   launch_all_reduce(k, algo, c, stream);
   check_launch(algo == Algo::kOneShot ? "all-reduce one_shot" : "all-reduce two_shot");
+  mark_done(stream);
   count_bytes(algo, numel);
 }
 
@@ -218,7 +224,16 @@ void CudaAllReduce::abort(double timeout_s, cudaStream_t stream) {
   ++host_calls_;
   launch_abort(args(timeout_s), stream);
   check_launch("all-reduce abort");
+  mark_done(stream);
   std::fill(last_bytes_.begin(), last_bytes_.end(), 0);
+}
+
+// A captured call's work runs at its graph's replays, which the caller completes before
+// close (the barrier of the lifetime above); eager calls are covered by the event.
+void CudaAllReduce::mark_done(cudaStream_t stream) {
+  if (capturing(stream)) return;
+  if (cudaEventRecord(done_, stream) == cudaSuccess) done_recorded_ = true;
+  (void)cudaGetLastError();
 }
 
 // What this rank stores into each segment per call (flags included), as the CPU

@@ -6,8 +6,12 @@
 //
 // Lifetime (collective, Python drives it): construct on every rank; exchange
 // ipc_handle(); open_peers() on every rank; calls; close() (also from the destructor)
-// synchronises the device, closes the IPC mappings and frees everything. Peers must have
-// stopped touching this rank's segment first (Python: a barrier before close).
+// waits for this rank's own last call (an event recorded after every call issued outside a
+// graph capture; all calls of a communicator are in one stream order, which the call number
+// on the device needs anyway), closes the IPC mappings and frees everything. Never
+// cudaDeviceSynchronize: that also waits for NCCL's and every other stream's work, and for
+// kernels that wait on peers. Peers must have stopped touching this rank's segment first
+// (Python: a barrier before close); there is no close handshake yet.
 //
 // Errors: CUDA API failures throw pa2a::Error(kRuntime) naming the call; problems a kernel
 // saw (a peer that timed out, aborted or disagrees) land in the error word and check()
@@ -60,6 +64,7 @@ class CudaAllReduce {
   KernelArgs args(double timeout_s) const;
   void require_open(const char* what) const;
   void count_bytes(Algo algo, int64_t numel);
+  void mark_done(cudaStream_t stream);  // records done_ after a call (not while capturing)
 
   int32_t rank_;
   Config config_;
@@ -73,6 +78,8 @@ class CudaAllReduce {
   DeviceState* state_ = nullptr;
   uint64_t* err_host_ = nullptr;
   uint64_t* err_dev_ = nullptr;
+  cudaEvent_t done_ = nullptr;  // recorded after every call issued outside a capture
+  bool done_recorded_ = false;
   uint8_t* base_[kMaxWorld] = {};
   std::vector<void*> ipc_opened_;
   std::vector<uint8_t> pull_;

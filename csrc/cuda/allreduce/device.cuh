@@ -21,11 +21,15 @@
 //     (a parity in the kernel arguments would freeze to one buffer under replay, the
 //     corruption field_2026.md section 3 reports).
 //   * the error word (host-mapped, this rank's): this rank's kernels when a wait expires,
-//     a peer aborted or disagrees; read and cleared by this rank's host.
+//     a peer aborted or disagrees; read and cleared by this rank's host. Its echo
+//     DeviceState::timed_out: the same record_error, when the word it stores is a timeout.
 //
 // Never hang. Every wait reads %globaltimer and gives up at its deadline, records the
 // error (code, phase, peer, seq) and skips the rest of the call; a wait also gives up once
-// another wait of this rank timed out. The host turns the word into an exception.
+// another wait of this rank timed out, which it reads (every 64 polls) from
+// DeviceState::timed_out in this GPU's memory, not from the host-mapped word: only this
+// rank's kernels write a timeout and the host never clears one, so the echo is exact, and
+// the waiters' polls stay off PCIe. The host turns the word into an exception.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -63,9 +67,10 @@ PA2A_HD uint32_t error_seq(uint64_t w) {
 }
 
 struct DeviceState {
-  uint32_t seq;     // last call number finished
-  uint32_t arrive;  // blocks of the running call that have finished
-  uint32_t reserved[2];
+  uint32_t seq;        // last call number finished
+  uint32_t arrive;     // blocks of the running call that have finished
+  uint32_t timed_out;  // 1 once a wait of this rank recorded a timeout (never cleared)
+  uint32_t reserved;
 };
 
 // Everything the kernels of one call read; passed by value (no device table to keep alive).
@@ -94,12 +99,17 @@ __device__ __forceinline__ void record_error(const KernelArgs& k, DevError code,
                                              int32_t peer, uint32_t seq) {
   const uint64_t old = *reinterpret_cast<volatile uint64_t*>(k.err);
   // An abort is the mildest problem (the host clears it): anything else replaces it.
-  if (old == 0 || (error_code(old) == DevError::kAborted && code != DevError::kAborted))
+  if (old == 0 || (error_code(old) == DevError::kAborted && code != DevError::kAborted)) {
     pa2a::cuda::st_relaxed_sys(k.err, pack_error(code, phase, peer, seq));
+    if (code == DevError::kTimeout)  // the waiters' echo, in this GPU's memory
+      *reinterpret_cast<volatile uint32_t*>(&k.state->timed_out) = 1u;
+  }
 }
 
+// Another wait of this rank timed out: read from DeviceState, never from the host-mapped
+// word (a PCIe read per poll of every waiter otherwise).
 __device__ __forceinline__ bool timed_out_elsewhere(const KernelArgs& k) {
-  return error_code(*reinterpret_cast<const volatile uint64_t*>(k.err)) == DevError::kTimeout;
+  return *reinterpret_cast<const volatile uint32_t*>(&k.state->timed_out) != 0u;
 }
 
 __device__ __forceinline__ uint64_t* flag_at(const KernelArgs& k, int owner, int phase,

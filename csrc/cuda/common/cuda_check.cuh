@@ -32,6 +32,13 @@ inline void check_launch(const char* what) {
                cudaGetErrorString(err));
 }
 
+// Whether `stream` is being captured into a CUDA graph (its work then runs at the replays).
+inline bool capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  return cudaStreamIsCapturing(stream, &status) == cudaSuccess &&
+         status != cudaStreamCaptureStatusNone;
+}
+
 // Makes `device` current for the scope (the caller's thread may have another current).
 class DeviceGuard {
  public:

@@ -54,12 +54,6 @@ int attribute(cudaDeviceAttr a, int device) {
   return v;
 }
 
-bool capturing(cudaStream_t stream) {
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  return cudaStreamIsCapturing(stream, &status) == cudaSuccess &&
-         status != cudaStreamCaptureStatusNone;
-}
-
 // The close mark a rank writes into its peers' headers (any value the bootstrap's ranks
 // agree on and a fresh segment does not hold).
 uint64_t close_mark(uint64_t nonce) {
@@ -681,7 +675,7 @@ KernelContext CudaTransport::context() const {
   k.num_local_experts = num_local_experts_;
   k.peers = table_dev_;
   k.state = state_;
-  k.err = err_dev_;
+  k.err = ErrorSink{err_dev_, state_ == nullptr ? nullptr : &state_->timed_out};
   k.placement = placement_;
   k.ecount = ecount_ws_;
   k.cnt_ws = cnt_ws_;

@@ -37,7 +37,9 @@
 //     sender's segment, written only by reader r's last receive block.
 //   * DeviceState: written only by this rank's own kernels, in stream order.
 //   * The error word (host-mapped, this rank's own): written by this rank's kernels when a
-//     wait expires or a flag is inconsistent; read and cleared by this rank's host.
+//     wait expires or a flag is inconsistent; read and cleared by this rank's host. Its
+//     device-memory echo DeviceState::timed_out is written by the same record_error when
+//     the word it stores is a timeout, and polled by the waiters (see "Never hang").
 //
 // Why reuse is safe. The reuse invariant of core/wire_format.h (a rank finishes receiving
 // call n before it sends call n + 1) holds on the device because the receive kernels of
@@ -66,10 +68,22 @@
 // counter for the next receive kernel, so no memset precedes any kernel.
 //
 // Never hang. Every wait reads %globaltimer and gives up at a deadline; it then writes
-// the error word (code, op, peer, seq) and the kernel returns. The error word is read only
-// on that timer path (every few polls), not on every poll. The host turns the word into an
-// exception (CudaTransport::check). A send kernel waits on nothing but, for pulled pairs,
-// the consumed lines in its own memory (pull.cuh), with the same deadline.
+// the error word (code, op, peer, seq) and the kernel returns. A wait also gives up once
+// another wait of this rank timed out, which it learns from DeviceState::timed_out (this
+// GPU's memory) every few polls, never from the host-mapped word: with hundreds of waiters
+// that word would be read across PCIe 10^7-10^8 times a second, competing with the rows.
+// Only this rank's kernels write timeouts and the host never clears them, so the echo is
+// exact; the host word is read only on the error path (record_error). The host turns the
+// word into an exception (CudaTransport::check). A send kernel waits on nothing but, for
+// pulled pairs, the consumed lines in its own memory (pull.cuh), with the same deadline.
+//
+// Dependent launch. Every kernel calls griddep_wait() before it touches memory, and a
+// kernel that waits on other agents (the receive kernels; the send kernels' consumed waits
+// of pulled pairs) calls griddep_launch_dependents() only after its last wait: the next
+// kernel of the stream (a persistent GEMM with a large shared-memory footprint, say) must
+// not become resident beside blocks that still spin on a peer, where it could starve
+// another stream's send kernel that the peer's progress depends on (a cross-GPU cycle).
+// The CPU emulation fails a flag wait that follows the trigger in its block.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -149,7 +163,10 @@ struct DeviceState {
   uint32_t arrive[2];    // blocks of the running send kernel that finished (per family)
   uint32_t recv_ticket;  // next work item of the running receive kernel
   uint32_t recv_done;    // blocks of the running receive kernel that finished
-  uint32_t reserved;
+  // 1 once a wait of this rank timed out (kTimeout / kNotConsumed recorded in the error
+  // word): what the waiters poll instead of the host-mapped word. Never cleared, like those
+  // errors (the host clears only mild ones).
+  uint32_t timed_out;
   // mirror[s]: pack_flag(seq, count) of source s for call seq, written by the poller of
   // s (count kMirrorFailed when its wait failed); read by the other work items.
   uint64_t mirror[kMaxWorld];
@@ -199,21 +216,35 @@ struct PeerTable {
 // CPU-side memory a GPU polls); GPU scope for what only this GPU's blocks share (the
 // mirrors). The primitives are the inline PTX of cuda/transport/ptx.cuh.
 
+// Where the kernels record problems: the host-mapped error word (its device pointer) and
+// its echo in this GPU's memory, DeviceState::timed_out (passed by value, like the context).
+struct ErrorSink {
+  uint64_t* word;
+  uint32_t* timed_out;
+};
+
+__device__ __forceinline__ bool is_timeout(DeviceError e) {
+  return e == DeviceError::kTimeout || e == DeviceError::kNotConsumed;
+}
+
 // Records the first problem of a call. Plain (relaxed, system-scope) store: the host reads
 // the word without synchronising, and any writer's word is a complete description. Aborts
 // and bad input are the mildest problems (the host clears them and the Buffer stays
 // usable), so any other problem replaces them: a peer that aborted must not hide a peer
-// that never came.
-__device__ __forceinline__ void record_error(uint64_t* err, DeviceError code, uint32_t op,
+// that never came. A timeout stored is echoed into timed_out for the waiters (a plain
+// volatile store: they only need to see it eventually, and give up then).
+__device__ __forceinline__ void record_error(ErrorSink err, DeviceError code, uint32_t op,
                                              int32_t peer, uint32_t seq) {
-  const uint64_t old = *reinterpret_cast<volatile uint64_t*>(err);
-  if (old == 0 || (error_is_mild(error_code(old)) && !error_is_mild(code)))
-    st_relaxed_sys(err, pack_error(code, op, peer, seq));
+  const uint64_t old = *reinterpret_cast<volatile uint64_t*>(err.word);
+  if (old == 0 || (error_is_mild(error_code(old)) && !error_is_mild(code))) {
+    st_relaxed_sys(err.word, pack_error(code, op, peer, seq));
+    if (is_timeout(code)) *reinterpret_cast<volatile uint32_t*>(err.timed_out) = 1u;
+  }
 }
 
-__device__ __forceinline__ bool timed_out_elsewhere(const uint64_t* err) {
-  const DeviceError e = error_code(*reinterpret_cast<const volatile uint64_t*>(err));
-  return e == DeviceError::kTimeout || e == DeviceError::kNotConsumed;
+// Another wait of this rank timed out: from this GPU's memory, not the host-mapped word.
+__device__ __forceinline__ bool timed_out_elsewhere(ErrorSink err) {
+  return *reinterpret_cast<const volatile uint32_t*>(err.timed_out) != 0u;
 }
 
 __device__ __forceinline__ FlagLine* flag_line_at(uint8_t* base, int parity, int src,
@@ -224,7 +255,7 @@ __device__ __forceinline__ FlagLine* flag_line_at(uint8_t* base, int parity, int
 // Exponential back-off of a polling loop: starts at kBackoffMinNs and doubles to
 // kBackoffMaxNs. A poll of a staged flag is a PCIe read; a poll of a P2P flag competes
 // with the rows arriving in the same memory. The cap bounds the added latency once the
-// data arrives. The clock (and the error word) is read every kClockEvery polls.
+// data arrives. The clock and DeviceState::timed_out are read every kClockEvery polls.
 constexpr unsigned kBackoffMinNs = 32;
 constexpr unsigned kBackoffMaxNs = 512;
 constexpr unsigned kClockEvery = 8;
@@ -237,7 +268,7 @@ struct Poll {
       : start(globaltimer_ns()), timeout_ns(timeout) {}
   // Sleeps; returns false once the deadline passed or another wait of this rank timed
   // out (then the caller gives up; `expired()` tells which).
-  __device__ __forceinline__ bool again(const uint64_t* err) {
+  __device__ __forceinline__ bool again(ErrorSink err) {
     if ((++spins % kClockEvery) == 0) {
       if (globaltimer_ns() - start > timeout_ns) {
         expired_ = true;
@@ -264,7 +295,7 @@ struct Poll {
 // would otherwise each wait out a full timeout).
 __device__ __forceinline__ int32_t wait_flag(const FlagLine* f, const CallTicket& t, int32_t src,
                                              int32_t max_count, int32_t expect, uint64_t timeout_ns,
-                                             uint64_t* err, bool tolerate = false) {
+                                             ErrorSink err, bool tolerate = false) {
   Poll poll(timeout_ns);
   uint64_t w = ld_acquire_sys(&f->word);
   while (flag_seq(w) != t.seq) {
@@ -306,7 +337,7 @@ __device__ __forceinline__ void publish_mirror(DeviceState* st, int s, uint32_t 
 // pairs with publish_mirror, and through the poller's own acquire of the flag with the
 // sender's release: the rows the flag covers are visible after it.
 __device__ __forceinline__ int32_t wait_mirror(const DeviceState* st, int s, const CallTicket& t,
-                                               uint64_t timeout_ns, uint64_t* err) {
+                                               uint64_t timeout_ns, ErrorSink err) {
   Poll poll(timeout_ns);
   uint64_t w = ld_acquire_gpu(&st->mirror[s]);
   while (flag_seq(w) != t.seq) {

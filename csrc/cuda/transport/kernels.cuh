@@ -47,7 +47,7 @@ struct KernelContext {
   int32_t num_local_experts;
   const PeerTable* peers;    // device
   DeviceState* state;        // device
-  uint64_t* err;             // device pointer of the host-mapped error word
+  ErrorSink err;             // the host-mapped error word and its echo (device_protocol.cuh)
   Placement placement;       // device arrays
   int32_t* ecount;           // [max(E_local, 1)] expert counts of the running unpack, 0 between
   int32_t* cnt_ws;           // [max(E_local, 1), world] expert-major counts per source

@@ -40,7 +40,6 @@ __global__ void __launch_bounds__(kThreads)
                         const int32_t* expert_pos, const int32_t* row_experts,
                         const float* row_weights, uint64_t ce_mask) {
   griddep_wait();
-  griddep_launch_dependents();
   const WireConfig& c = k.cfg;
   const int M = c.max_tokens, H = c.hidden;
   const int s = blockIdx.x;
@@ -49,6 +48,7 @@ __global__ void __launch_bounds__(kThreads)
   // Sources in ce_mask get their rows from the copy engine (rows layout only); a pulling
   // source that never consumed this parity's last call gets none (pull.cuh).
   const bool store = (pull::await_consumed(k, t, kCombineRegion, 1ull << s) >> s) & 1ull;
+  griddep_launch_dependents();  // after its only wait (pulled readers' consumed lines)
   const int n = ((ce_mask >> s) & 1ull) || !store ? 0 : min(max(recv_count[s], 0), M);
   const int j1 = min((static_cast<int>(blockIdx.y) + 1) * kRowsPerBlock, n);
   for (int j = blockIdx.y * kRowsPerBlock + warp; j < j1; j += kWarps) {
@@ -99,7 +99,6 @@ __global__ void __launch_bounds__(kThreads)
                         const int32_t* send_count, int32_t num_tokens, uint8_t* out,
                         uint64_t timeout_ns) {
   griddep_wait();
-  griddep_launch_dependents();
   __shared__ int fail;
   __shared__ int32_t slot_of[kWarps][kMaxWorld];
   const WireConfig& c = k.cfg;
@@ -159,6 +158,7 @@ __global__ void __launch_bounds__(kThreads)
     }
     __syncwarp();  // slot_of is rewritten by this warp's next token
   }
+  griddep_launch_dependents();  // after the last wait (device_protocol.cuh)
   finish_recv(k, nullptr, t, kCombineRegion);
 }
 

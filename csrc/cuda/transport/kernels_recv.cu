@@ -12,7 +12,6 @@ using namespace detail;  // NOLINT: the shared kernel helpers
 __global__ void wait_counts_kernel(KernelContext k, const CallTicket* ticket, int32_t* counts,
                                    uint64_t timeout_ns, int tolerate_aborts) {
   griddep_wait();
-  griddep_launch_dependents();
   const CallTicket t = *ticket;
   __shared__ int failed;
   if (threadIdx.x == 0) failed = 0;
@@ -24,7 +23,8 @@ __global__ void wait_counts_kernel(KernelContext k, const CallTicket* ticket, in
     counts[s] = n < 0 ? 0 : n;
     if (n < 0) failed = 1;
   }
-  __syncthreads();  // this rank reads nothing of the call: its pulled sources may reuse
+  __syncthreads();              // this rank reads nothing of the call: its pulled sources may reuse
+  griddep_launch_dependents();  // after the waits (device_protocol.cuh, "Dependent launch")
   if (tolerate_aborts != 0 || failed != 0) pull::publish_consumed(k, t, pull::region_of(t.op));
 }
 
@@ -78,7 +78,10 @@ __device__ __forceinline__ void copy_payload(const KernelContext& k, const uint8
 // Whether row j of staged source s is there (one warp, the same answer in every lane):
 // its header mark (stored last by the sender, release) holds this call, or the source's
 // count is known (mirror) and j is past it. Rows are drained as they arrive instead of
-// after the source's flag. false also when the wait gave up (recorded).
+// after the source's flag. false also when the wait gave up (recorded). Lane 0 acquires the
+// mark; the shuffle hands its answer to the other lanes but orders no memory (PTX memory
+// model), so the __syncwarp after it is what makes the row causally after the sender's
+// release for every lane that then reads it.
 __device__ __forceinline__ bool staged_row_arrived(const KernelContext& k, const CallTicket& t,
                                                    const uint8_t* slot, int s, int j,
                                                    uint64_t timeout_ns, int lane) {
@@ -102,7 +105,9 @@ __device__ __forceinline__ bool staged_row_arrived(const KernelContext& k, const
       }
     }
   }
-  return __shfl_sync(kFull, state, 0) == 1;
+  const bool arrived = __shfl_sync(kFull, state, 0) == 1;
+  __syncwarp();  // lane 0's acquire -> every lane's reads of the row
+  return arrived;
 }
 
 // Items: [0, W) pollers (source s), then (chunk c, source s) = W + c * W + s: rows
@@ -114,7 +119,6 @@ __global__ void __launch_bounds__(kThreads)
                        int32_t* src_rank, int32_t* src_token, int32_t* ids_out, float* ws_out,
                        int32_t* expert_count, uint64_t timeout_ns) {
   griddep_wait();
-  griddep_launch_dependents();
   __shared__ int32_t n_sh;
   const WireConfig& c = k.cfg;
   const int W = c.world, M = c.max_tokens, K = c.num_topk, H = c.hidden, G = H / kFp8GroupSize;
@@ -174,6 +178,7 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
   }
+  griddep_launch_dependents();  // after the last wait (device_protocol.cuh)
   finish_recv(k, expert_count, t, kDispatchRegion);
 }
 
@@ -193,7 +198,6 @@ __global__ void __launch_bounds__(kThreads)
                    int64_t* layout_range, int32_t* expert_pos, int32_t* row_experts,
                    float* row_weights, uint64_t timeout_ns) {
   griddep_wait();
-  griddep_launch_dependents();
   int32_t* const begin_sh = dynamic_smem<int32_t>();  // [E_local]
   __shared__ int32_t n_sh;
   __shared__ int fail_sh;
@@ -357,6 +361,7 @@ __global__ void __launch_bounds__(kThreads)
         src_info[static_cast<int64_t>(e) * cap + p] = -1;
     }
   }
+  griddep_launch_dependents();  // after the last wait (device_protocol.cuh)
   finish_recv(k, nullptr, t, kDispatchRegion);
 }
 

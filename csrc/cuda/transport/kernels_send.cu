@@ -85,7 +85,6 @@ __global__ void __launch_bounds__(kThreads)
                          int32_t* send_token, int32_t* send_count, uint8_t* pack,
                          uint64_t pack_mask) {
   griddep_wait();
-  griddep_launch_dependents();
   __shared__ uint64_t mask[kMaxTokPerBlock];
   __shared__ int32_t base[kMaxWorld];
   __shared__ int32_t first_row[kMaxWorld];
@@ -103,6 +102,7 @@ __global__ void __launch_bounds__(kThreads)
   const int ntok = max(0, min(num_tokens, t0 + tok_per_block) - t0);
   const int E = k.placement.num_experts;
   const uint64_t may_store = pull::await_consumed(k, t, kDispatchRegion, ~0ull);
+  griddep_launch_dependents();  // after its only wait (pulled readers' consumed lines)
 
   for (int d = tid; d < W; d += blockDim.x) base[d] = 0;
   if (tid == 0) bad_sh = 0;

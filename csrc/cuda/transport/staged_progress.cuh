@@ -27,6 +27,12 @@
 //     written only by the expert-major count item of source s (st.release.gpu after a
 //     __threadfence and bar.sync), read by the scatter items; like the mirror, each word
 //     carries the call number, so nothing is reset.
+//   * Warp hand-off: where one lane acquires a mark (rows layout: lane 0, a row's mark;
+//     combine: lane l, the marks of sources l, l + 32, ...) and the whole warp then reads
+//     the rows, the lanes exchange the answer with a shuffle or ballot and then __syncwarp:
+//     a shuffle orders no memory in the PTX model; bar.warp.sync does, so the acquiring
+//     lane's acquire is ordered before every lane's reads (the CPU emulation poisons a row
+//     from its mark's acquire until that barrier, tests/native/transport_emu).
 // A mark or a line counts only when it holds the call number of the running call (seq is
 // unique per call), so a word left by an earlier call is never taken for this one. Every
 // wait has the deadline and error word of device_protocol.cuh; the waits for an early line
@@ -143,7 +149,7 @@ __device__ __forceinline__ void publish_chunk_mark(const KernelContext& k, const
 // count >= need. Returns the count, or -1 when it says failed or the deadline passed.
 __device__ __forceinline__ int32_t wait_progress(const uint64_t* p, const CallTicket& t, int src,
                                                  uint32_t need, uint64_t timeout_ns,
-                                                 uint64_t* err) {
+                                                 ErrorSink err) {
   Poll poll(timeout_ns);
   for (;;) {
     const uint64_t w = ld_acquire_gpu(p);
@@ -177,7 +183,9 @@ __device__ __forceinline__ int32_t em_wait_source(const KernelContext& k, const 
 // holds the call with the expected count and op (its rows all came before the flag: a
 // sender without marks). false when the flag says otherwise (the source's last item
 // records why) or the deadline passed (recorded). No mirror: staged sources have no poller
-// item, so a block capped grid drains them too.
+// item, so a block capped grid drains them too. Each lane acquires its sources' marks and
+// every lane then reads every source's rows: the ballot orders no memory, the __syncwarp
+// after it does (PTX memory model).
 __device__ __forceinline__ bool combine_chunks_arrived(const KernelContext& k, const CallTicket& t,
                                                        const int32_t* slot_of,
                                                        const int32_t* send_count,
@@ -207,7 +215,9 @@ __device__ __forceinline__ bool combine_chunks_arrived(const KernelContext& k, c
       }
     }
   }
-  return __ballot_sync(kFull, !ok) == 0;
+  const bool all = __ballot_sync(kFull, !ok) == 0;
+  __syncwarp();  // each lane's acquires -> every lane's reads of the partials
+  return all;
 }
 
 // The last items of combine_recv, one per source (one thread): a staged source's flag,

@@ -17,9 +17,12 @@
 //    thread of a block arrives last, which block finishes first) sees other orders.
 //  * Warp collectives (__syncwarp, __ballot_sync, __shfl_sync, __shfl_up_sync) are
 //    switch points: each lane publishes its value, waits for the 32 lanes of its warp,
-//    then reads the others'. Only the full mask of a full warp is modelled; a lane that
-//    skipped the collective (exited, or diverged into another collective) is reported
-//    (deadlock, or "lanes of one warp in different collectives").
+//    then reads the others'. Of these only __syncwarp orders memory among the lanes (as
+//    bar.warp.sync does in PTX); a model extension can act at the barriers that do
+//    (Hooks::memory_sync: the transport's lane views poison what one lane acquired until
+//    such a barrier, so a shuffle taken for a synchronisation reads garbage). Only the full mask of
+//    a full warp is modelled; a lane that skipped the collective (exited, or diverged into another
+//    collective) is reported (deadlock, or "lanes of one warp in different collectives").
 //  * Shared memory starts as garbage (0xA5 bytes) in every block: the dynamic part is a
 //    fresh allocation per launch (exact size, so AddressSanitizer sees overruns), and the
 //    static __shared__ variables (function statics here) are refilled at every block start
@@ -278,11 +281,17 @@ struct Warp {
 };
 
 // Per-kernel extensions (the INT4 model's cp.async queues): called at every block start
-// and when a thread returns from the kernel.
+// and when a thread returns from the kernel. memory_sync (the transport's lane views,
+// transport_emu/include/emu_lane_view.h): called when a barrier that orders memory
+// completes, before any of its threads goes on: __syncwarp of warp w (w), __syncthreads
+// and __syncthreads_or (kBlockSync), and at the end of every block (kBlockEnd). Shuffles,
+// ballots and reductions order no memory (PTX memory model) and call nothing.
 struct Hooks {
   void (*block_begin)() = nullptr;
   void (*thread_exit)() = nullptr;
+  void (*memory_sync)(int warp) = nullptr;
 };
+constexpr int kNoSync = -3, kBlockEnd = -2, kBlockSync = -1;
 inline Hooks hooks;
 
 struct Runtime {
@@ -297,6 +306,7 @@ struct Runtime {
   std::function<void()> body;
   uint64_t rng = 0;  // EMU_SCHEDULE state; 0: program order
   bool rng_read = false;
+  uint64_t block_serial = 0;  // blocks begun by this process (a block's identity)
 };
 inline Runtime rt;
 
@@ -371,6 +381,7 @@ inline void launch(dim3 grid, dim3 block, size_t smem_bytes, std::function<void(
     std::memset(rt.smem, 0xA5, smem_bytes);  // shared memory starts as garbage
     fill_static_smem();
     rt.bar_count = rt.or_acc = 0;
+    ++rt.block_serial;
     for (Warp& w : rt.warps) w.count = 0;
     if (hooks.block_begin != nullptr) hooks.block_begin();
     for (unsigned t = 0; t < threads; ++t) {
@@ -411,15 +422,18 @@ inline void launch(dim3 grid, dim3 block, size_t smem_bytes, std::function<void(
         fail(msg + " " + std::to_string(exited) + " threads of the block have exited");
       }
     }
+    if (hooks.memory_sync != nullptr) hooks.memory_sync(kBlockEnd);
   }
   std::free(rt.smem);
   rt.smem = nullptr;
 }
 
-// Barrier over `n` participants with the given counter/generation.
-inline void barrier(int& count, uint64_t& gen, int n, const char* what) {
+// Barrier over `n` participants with the given counter/generation; `sync` (a warp,
+// kBlockSync or kNoSync): what Hooks::memory_sync is told when it completes.
+inline void barrier(int& count, uint64_t& gen, int n, const char* what, int sync = kNoSync) {
   const uint64_t g = gen;
   if (++count == n) {
+    if (sync != kNoSync && hooks.memory_sync != nullptr) hooks.memory_sync(sync);
     count = 0;
     ++gen;
     ++rt.progress;
@@ -438,7 +452,8 @@ inline void check_smem(const void* p, size_t n, const char* what) {
 
 // A warp collective: publishes this lane's value, waits for the 32 lanes of the warp and
 // returns the 32 published values (valid until this lane's next collective).
-inline const uint64_t* warp_exchange(unsigned mask, uint64_t value, const char* what) {
+inline const uint64_t* warp_exchange(unsigned mask, uint64_t value, const char* what,
+                                     bool orders_memory = false) {
   Fiber& f = self();
   const unsigned w = f.tid / 32, lane = f.tid % 32;
   if (mask != 0xffffffffu) fail(std::string(what) + ": only the full mask is modelled");
@@ -448,7 +463,7 @@ inline const uint64_t* warp_exchange(unsigned mask, uint64_t value, const char* 
   f.warp_parity ^= 1u;
   warp.slot[p][lane] = value;
   warp.what[p][lane] = what;
-  barrier(warp.count, warp.gen, 32, what);
+  barrier(warp.count, warp.gen, 32, what, orders_memory ? static_cast<int>(w) : kNoSync);
   for (unsigned l = 0; l < 32; ++l)
     if (warp.what[p][l] != what)
       fail(std::string("lanes of one warp in different collectives: ") + what + " and " +
@@ -475,7 +490,7 @@ inline T from_slot(uint64_t u) {
 // ---- CUDA device built-ins ----------------------------------------------------------------
 inline void __syncthreads() {
   emu::barrier(emu::rt.bar_count, emu::rt.bar_gen, static_cast<int>(emu::rt.nthreads),
-               "__syncthreads");
+               "__syncthreads", emu::kBlockSync);
 }
 inline int __syncthreads_or(int pred) {
   emu::rt.or_acc |= pred != 0;
@@ -485,12 +500,12 @@ inline int __syncthreads_or(int pred) {
     emu::rt.or_acc = 0;
   }
   emu::barrier(emu::rt.bar_count, emu::rt.bar_gen, static_cast<int>(emu::rt.nthreads),
-               "__syncthreads_or");
+               "__syncthreads_or", emu::kBlockSync);
   if (emu::rt.bar_gen == g) emu::fail("__syncthreads_or: barrier bookkeeping");
   return emu::rt.or_result;
 }
 inline void __syncwarp(unsigned mask = 0xffffffffu) {
-  emu::warp_exchange(mask, 0, "__syncwarp");
+  emu::warp_exchange(mask, 0, "__syncwarp", true);
 }
 // sm_80's warp reduction: every lane gets the maximum of the 32 lanes' values.
 inline unsigned __reduce_max_sync(unsigned mask, unsigned value) {

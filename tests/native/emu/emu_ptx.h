@@ -16,6 +16,11 @@
 // is the window in which a faster peer's next call would overwrite the data if neither
 // parity nor the end barrier protected it.
 //
+// Programmatic dependent launch: launches run one after another here, so griddep_wait has
+// nothing to wait for. What is checked instead is where a kernel triggers its dependents
+// (device_protocol.cuh: after its last wait): an acquire load of a flag (every wait polls
+// with one) in a block that already called griddep_launch_dependents is reported.
+//
 // Hooks: a build that defines EMU_PTX_HOOKS before including this provides
 // emu_hook_acquire_load(p, v), emu_hook_release_store(p, v, before) and
 // emu_hook_relaxed_store(p, v) in pa2a::cuda (the transport's staged gate,
@@ -48,8 +53,18 @@ inline void emu_check_aligned(const void* p, uintptr_t n, const char* what) {
   if (reinterpret_cast<uintptr_t>(p) % n != 0) emu::fail(std::string(what) + " misaligned");
 }
 
+inline uint64_t emu_pdl_triggered = 0;  // block_serial of the block that last triggered
+
+inline void emu_check_not_triggered(const char* what) {
+  if (emu::rt.smem != nullptr && emu_pdl_triggered == emu::rt.block_serial)  // in that block
+    emu::fail(std::string(what) +
+              " (a flag wait) after griddep_launch_dependents in this block: the dependent "
+              "kernel could be resident while this block still waits");
+}
+
 inline uint64_t ld_acquire_sys(const uint64_t* p) {
   emu_check_aligned(p, 8, "ld.acquire.sys.u64");
+  emu_check_not_triggered("ld.acquire.sys.u64");
   const uint64_t v = __atomic_load_n(p, __ATOMIC_ACQUIRE);
   if (emu_acquire_delay.seq != 0 && (v >> 32) == emu_acquire_delay.seq) {
     emu_acquire_delay.seq = 0;  // once
@@ -84,6 +99,7 @@ inline void st_relaxed_sys(uint64_t* p, uint64_t v) {
 
 inline uint64_t ld_acquire_gpu(const uint64_t* p) {
   emu_check_aligned(p, 8, "ld.acquire.gpu.u64");
+  emu_check_not_triggered("ld.acquire.gpu.u64");
   return __atomic_load_n(p, __ATOMIC_ACQUIRE);
 }
 
@@ -94,7 +110,9 @@ inline void st_release_gpu(uint64_t* p, uint64_t v) {
 
 // Launches run one after another here, so the previous grid is always complete.
 inline void griddep_wait() {}
-inline void griddep_launch_dependents() {}
+inline void griddep_launch_dependents() {
+  emu_pdl_triggered = emu::rt.block_serial;  // >= 1 inside a kernel
+}
 
 inline void fence_acq_rel_sys() {
   __atomic_thread_fence(__ATOMIC_ACQ_REL);

@@ -10,6 +10,7 @@
 #include <string>
 
 #include "emu_cuda.h"
+#include "emu_lane_view.h"
 #include "emu_runtime.h"
 
 namespace pa2a::cuda {
@@ -36,16 +37,6 @@ struct StagedGate {
 };
 inline StagedGate staged_gate;
 
-// Offset of p in a registered host segment (a staged region), or SIZE_MAX.
-inline size_t emu_staged_offset(const void* p) {
-  const auto& m = emu_rt::st.registered;
-  const auto* c = static_cast<const unsigned char*>(p);
-  auto it = m.upper_bound(c);
-  if (it == m.begin()) return SIZE_MAX;
-  --it;
-  return c < it->first + it->second ? static_cast<size_t>(c - it->first) : SIZE_MAX;
-}
-
 inline bool emu_in(size_t off, size_t lo, size_t hi) {
   return off >= lo && off < hi;
 }
@@ -53,7 +44,7 @@ inline bool emu_in(size_t off, size_t lo, size_t hi) {
 inline void emu_gate_load(const void* p, uint64_t v) {
   StagedGate& g = staged_gate;
   if (g.held < 0) return;
-  const size_t off = emu_staged_offset(p);
+  const size_t off = emu_host_offset(p);
   if (off != SIZE_MAX && emu_in(off, g.early_lo, g.early_hi))
     __atomic_store_n(&g.polled[g.rank], static_cast<uint64_t>(off), __ATOMIC_RELEASE);
   if (off == SIZE_MAX ||
@@ -68,7 +59,7 @@ inline void emu_gate_load(const void* p, uint64_t v) {
 inline void emu_gate_store(const void* p, uint64_t v, bool before) {
   StagedGate& g = staged_gate;
   if (g.held < 0 || g.rank != g.held) return;
-  const size_t off = emu_staged_offset(p);
+  const size_t off = emu_host_offset(p);
   if (off == SIZE_MAX) return;
   if (before && emu_in(off, g.early_lo, g.early_hi)) {
     // until the peer polls this line (at most 2 s), so that it reads the old one first
@@ -103,13 +94,14 @@ inline void emu_gate_store(const void* p, uint64_t v, bool before) {
 inline void emu_gate_relaxed_store(const void* p, uint32_t v) {
   StagedGate& g = staged_gate;
   if (g.held < 0) return;
-  const size_t off = emu_staged_offset(p);
+  const size_t off = emu_host_offset(p);
   if (off != SIZE_MAX && emu_in(off, g.flags_lo, g.flags_hi)) g.last_sig = v;
 }
 
-// The hooks emu_ptx.h calls (EMU_PTX_HOOKS).
+// The hooks emu_ptx.h calls (EMU_PTX_HOOKS); the acquire also feeds the lane views.
 inline void emu_hook_acquire_load(const void* p, uint64_t v) {
   emu_gate_load(p, v);
+  emu_lane_view_acquire(p, v);
 }
 inline void emu_hook_release_store(const void* p, uint64_t v, bool before) {
   emu_gate_store(p, v, before);
