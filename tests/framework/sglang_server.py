@@ -16,8 +16,11 @@ from vllm_server import VllmServer
 HERE = Path(__file__).resolve().parent
 STUBS = HERE.parent / "stubs"
 PYTHON_ENV = "PCIE_A2A_SGLANG_CPU_PYTHON"
-#: SGLang's TP schedulers' own message queues: left in /dev/shm when stopped by a signal
-SGLANG_SHM_PREFIX = "sgl_shm_mq_"
+#: what SGLang 0.5.23 itself leaves in /dev/shm after SIGINT (seen here): its TP schedulers'
+#: message queues, its expert-load records and multiprocessing semaphores. Reported, not ours.
+SGLANG_SHM_PREFIXES = ("sgl_shm_mq_", "sglang_loads_", "sem.mp-")
+#: pcie_a2a's own segments (Buffer, all-reduce): none may be left
+OUR_SHM_PREFIX = "pcie_a2a"
 
 CPU_ENGINE_ARGS = [
     "--device", "cpu",
@@ -67,10 +70,10 @@ class SglangServer(VllmServer):
     def stop(self, grace_s: float = 90.0) -> None:
         super().stop(grace_s)
         left = self.report.get("shm_left", [])
-        self.report["sglang_shm_mq"] = [n for n in left if n.startswith(SGLANG_SHM_PREFIX)]
-        self.report["shm_left"] = [n for n in left if not n.startswith(SGLANG_SHM_PREFIX)]
+        self.report["sglang_shm"] = [n for n in left if n.startswith(SGLANG_SHM_PREFIXES)]
+        self.report["shm_left"] = [n for n in left if not n.startswith(SGLANG_SHM_PREFIXES)]
         if self.report.get("shm_scope", "").startswith("global"):
-            for name in self.report["sglang_shm_mq"]:  # SGLang's, not ours: cleaned here
+            for name in self.report["sglang_shm"]:  # SGLang's, not ours: cleaned here
                 (Path("/dev/shm") / name).unlink(missing_ok=True)
 
     def complete(self, prompt: list[int], max_tokens: int) -> dict:
