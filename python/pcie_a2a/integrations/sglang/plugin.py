@@ -213,6 +213,11 @@ def register() -> None:
     from pcie_a2a.integrations.sglang.eplb import register_eplb  # EPLB: docs/balance.md
 
     register_eplb()
+    from pcie_a2a.integrations.sglang import cpu
+
+    cpu.patch_torch_native_backend()  # SGLang's CPU engine only (cpu.py)
+    for target, hook in cpu.HOOK_TARGETS:
+        HookRegistry.register(target, hook, HookType.AROUND)
     _registered = True
     logger.info(
         "pcie_a2a SGLang backend registered (sglang %s): select it with "
