@@ -260,12 +260,13 @@ def test_register_failures_raise_and_leave_vllm_untouched():
 # ---- launch checks -----------------------------------------------------------------------
 LAUNCH_CASES = [
     # name, ParallelConfig / ModelConfig / CompilationConfig settings, expected:
-    # "graphs_off" | "unchanged" | error text
+    # "graphs_off" | "unchanged" | "eager" | error text
     ("dp2_ep", {}, "graphs_off"),
-    ("not_moe", {"model": "dense"}, "unchanged"),
+    # dense: vLLM itself refuses --enable-expert-parallel on it, so DP alone
+    ("not_moe", {"model": "dense", "enable_expert_parallel": False}, "unchanged"),
     ("dp1", {"data_parallel_size": 1}, "unchanged"),
     ("no_ep", {"enable_expert_parallel": False}, "unchanged"),
-    ("eager", {"enforce_eager": True}, "unchanged"),
+    ("eager", {"enforce_eager": True}, "eager"),
     ("explicit_graphs", {"cudagraph_mode": "FULL"}, "-cc.cudagraph_mode"),
     ("other_all2all", {"all2all_backend": "deepep_low_latency"}, "--all2all-backend"),
     ("eplb", {"set_enable_eplb": True}, "--enable-eplb"),
@@ -295,9 +296,10 @@ DENSE = {
 
 def _real_vllm_config(models: dict, case: dict):
     """vLLM's own VllmConfig (its __post_init__, with the plugin's hook in front) for a
-    tiny model directory. The installed vLLM has no CPU build, so the device is named;
-    EPLB and elastic EP are set after ParallelConfig is built because its own validator
-    refuses them on a CPU before pcie_a2a could."""
+    tiny model directory. The installed vLLM has no CPU build, so the device is named.
+    vLLM's own validator refuses EPLB and elastic EP on a CPU before pcie_a2a could (also
+    when VllmConfig re-validates its ParallelConfig), so those two are set on the built
+    config, which then goes through pcie_a2a's resolve step (what the hook runs) again."""
     from vllm.config import (
         CompilationConfig,
         DeviceConfig,
@@ -305,6 +307,8 @@ def _real_vllm_config(models: dict, case: dict):
         ParallelConfig,
         VllmConfig,
     )
+
+    from pcie_a2a.integrations.vllm import launch
 
     o = dict(case)
     model = ModelConfig(
@@ -317,15 +321,18 @@ def _real_vllm_config(models: dict, case: dict):
     mode = o.pop("cudagraph_mode", None)
     late = {k[len("set_") :]: o.pop(k) for k in list(o) if k.startswith("set_")}
     pc = ParallelConfig(**{"data_parallel_size": 2, "enable_expert_parallel": True, **o})
-    for k, v in late.items():
-        setattr(pc, k, v)
     cc = CompilationConfig() if mode is None else CompilationConfig(cudagraph_mode=mode)
-    return VllmConfig(
+    cfg = VllmConfig(
         model_config=model,
         parallel_config=pc,
         compilation_config=cc,
         device_config=DeviceConfig(device="cpu"),
     )
+    if late:
+        for k, v in late.items():
+            setattr(cfg.parallel_config, k, v)
+        launch.resolve(cfg)
+    return cfg
 
 
 def _launch_worker(rank: int, world: int, root: str) -> dict:
@@ -367,6 +374,10 @@ def test_launch_resolve_on_real_vllm_config(vllm_models):
             assert any("disabling CUDA graphs" in line for line in ours), got
         elif want == "unchanged":  # not ours: nothing said, nothing refused
             assert "error" not in got and ours == [], (name, got)
+        elif want == "eager":  # ours, with no graphs to turn off
+            assert "error" not in got, (name, got)
+            assert not any("disabling CUDA graphs" in line for line in ours), got
+            assert any("runs on pcie_a2a's prepare/finalize" in line for line in ours), got
         else:
             assert want in got.get("error", ""), (name, got)
             assert "PCIE_A2A_VLLM" in got["error"], got
