@@ -209,6 +209,8 @@ def _int4_worker(rank: int, world: int, root: str) -> dict:
             su.is_cuda, dsv2._is_cuda = real, False
         out["err_cuda"] = (got_cuda - want).abs().max().item() / scale
         out["unscaled_gap"] = (want - shared - (want - shared) / factor).abs().max().item() / scale
+        out.update(_online_updates(rank, block, moe, x, fb, root, got_cpu))
+        out.update(_construction_refusals(cfg))
         # GPTQ (symmetric) and AWQ (zero points) on Qwen3-MoE blocks; Marlin's schemes
         # take only layers with N % 128 == 0 and K % 64 == 0, hence a wider block
         q3 = dict(sb.QWEN3_MOE, hidden_size=128, moe_intermediate_size=64)
@@ -233,8 +235,94 @@ def _int4_worker(rank: int, world: int, root: str) -> dict:
             out["swiglu"] = "built"
         except ValueError as exc:
             out["swiglu"] = str(exc)
+        # the refused block's __init__ ran with SGLang's SGLANG_SHARED_EXPERT_TP1 switch on:
+        # it must be off again (the next model built in this process would otherwise
+        # replicate its shared experts under any backend)
+        out["tp1_after_refusal"] = os.environ.get("SGLANG_SHARED_EXPERT_TP1")
     finally:
         _common.close_buffers()
+    return out
+
+
+def _online_updates(rank, block, moe, x, fb, root, before) -> dict:
+    """SGLang's own weight updater on the packed layer: every online update path is
+    refused before it writes anything, and a weight-update session's restore + post-
+    processing leaves the packed experts serving what they served."""
+    import torch
+    from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
+    from sglang.srt.model_loader.loader import DefaultModelLoader
+
+    model = torch.nn.Module()  # what the updater walks: the block as a model's module
+    model.mlp = block
+    wu = WeightUpdater(
+        tp_rank=rank,
+        device="cpu",
+        gpu_id=0,
+        model_config=None,
+        custom_weight_loaders={},
+        get_model=lambda: model,
+        update_model_fields=lambda *a, **k: None,
+        recapture_cuda_graph=lambda: None,
+        get_model_runner=lambda: None,
+    )
+    name = "mlp.experts.0.gate_proj.weight_packed"
+    new = torch.zeros(moe.intermediate_size_per_partition, moe.hidden_size // 8, dtype=torch.int32)
+    out = {
+        "from_tensor": wu.update_weights_from_tensor([(name, new)]),
+        "from_disk": wu.update_weights_from_disk(os.path.join(root, "deepseek_v3"), "auto"),
+        "from_distributed": wu.load_weights_from_distributed([(name, new)]),
+    }
+    cpu = torch.device("cpu")
+    DefaultModelLoader.restore_weights_before_loading(model, cpu)  # begin_weight_update
+    out["still_freed"] = moe.w13_weight_packed.numel() == 0
+    DefaultModelLoader.postprocess_weights(model, cpu)  # end_weight_update
+    out["same_after_session"] = bool(
+        torch.equal(_run_block(block, x, fb), before.to(torch.bfloat16))
+    )
+    return out
+
+
+def _construction_refusals(cfg) -> dict:
+    """Refusals when a layer is built on our dispatcher, through SGLang's own blocks:
+    DeepSeek (routed_scaling_factor 2.5, left to the runner on CUDA) in the DeepEP
+    formats, and a runner backend whose top-k routes inside the kernel."""
+    import sglang.srt.utils as su
+    import sglang_blocks as sb
+    from sglang.srt.layers.moe.utils import MoeRunnerBackend
+    from sglang.srt.runtime_context import get_flags
+
+    out = {}
+    real = su.is_cuda
+    su.is_cuda = lambda: True  # where the experts owe the factor (what the check asks)
+    try:
+        for fmt in ("deepep_normal", "deepep_ll", "standard"):
+            os.environ["PCIE_A2A_SGLANG_FORMAT"] = fmt
+            try:
+                sb.build_block("deepseek_v3")
+                out[f"fmt_{fmt}"] = "built"
+            except ValueError as exc:
+                out[f"fmt_{fmt}"] = str(exc)
+    finally:
+        os.environ.pop("PCIE_A2A_SGLANG_FORMAT", None)
+        su.is_cuda = real
+    os.environ["PCIE_A2A_SGLANG_FORMAT"] = "deepep_normal"  # off CUDA the model scales
+    try:
+        sb.build_block("deepseek_v3")
+        out["fmt_cpu"] = "built"
+    except ValueError as exc:
+        out["fmt_cpu"] = str(exc)
+    finally:
+        os.environ.pop("PCIE_A2A_SGLANG_FORMAT", None)
+    moe = get_flags().moe
+    saved = moe.runner_backend
+    moe.runner_backend = MoeRunnerBackend.TRITON_KERNELS
+    try:
+        sb.build_block("qwen3_moe")
+        out["runner"] = "built"
+    except Exception as exc:
+        out["runner"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        moe.runner_backend = saved
     return out
 
 
@@ -252,6 +340,16 @@ def test_compressed_tensors_routed_to_moe_int4_mlp_with_scaling(model_root):
         assert res["scheme_awq"] == "AWQMoEScheme", res
         assert res["err_gptq"] <= 0.02 and res["err_awq"] <= 0.02, res
         assert res["freed_gptq"] and res["freed_awq"], res
+        assert res["tp1_after_refusal"] is None, res
+        for path in ("from_tensor", "from_disk", "from_distributed"):
+            ok, msg = res[path]
+            assert ok is False and "online weight updates are not supported" in msg, (path, msg)
+        assert res["still_freed"] and res["same_after_session"], res
+        for fmt in ("deepep_normal", "deepep_ll"):
+            assert f"PCIE_A2A_SGLANG_FORMAT={fmt} with this model" in res[f"fmt_{fmt}"], res
+            assert "routed_scaling_factor=2.5" in res[f"fmt_{fmt}"], res
+        assert res["fmt_standard"] == "built" and res["fmt_cpu"] == "built", res
+        assert "--moe-runner-backend triton_kernel is not supported" in res["runner"], res
 
 
 #: physical -> logical expert (8 experts + 2 redundant, 5 slots per rank): rank 1 holds

@@ -313,6 +313,17 @@ RESOLVE_CASES = [
     ("qwen3_moe", [*EPLB_OURS, "--enable-eplb"], {}, None),
     ("qwen3_moe_int4", ["--ep-num-redundant-experts", "4"], {}, None),
     ("qwen3_moe_int4", [*EPLB_OURS, "--enable-eplb"], {}, "--enable-eplb with this compressed"),
+    # runners whose top-k is not (ids, weights); DeepEP formats that would lose the
+    # routed_scaling_factor (DeepSeek's 2.5) or feed the INT4 path a format it cannot read
+    ("qwen3_moe", ["--moe-runner-backend", "flashinfer_trtllm"], {}, "flashinfer_trtllm is not"),
+    ("qwen3_moe", ["--moe-runner-backend", "triton_kernel"], {}, "triton_kernel is not"),
+    ("qwen3_moe", ["--moe-runner-backend", "flashinfer_mxfp4"], {}, "flashinfer_mxfp4 is not"),
+    ("qwen3_moe", ["--moe-runner-backend", "triton"], {}, None),
+    ("deepseek_v3", [], {"PCIE_A2A_SGLANG_FORMAT": "deepep_normal"}, "routed_scaling_factor=2.5"),
+    ("deepseek_v3", [], {"PCIE_A2A_SGLANG_FORMAT": "deepep_ll"}, "routed_scaling_factor=2.5"),
+    ("glm4_moe", [], {"PCIE_A2A_SGLANG_FORMAT": "deepep_ll"}, "routed_scaling_factor=2.5"),
+    ("qwen3_moe", [], {"PCIE_A2A_SGLANG_FORMAT": "deepep_normal"}, None),  # no factor
+    ("qwen3_moe_int4", [], {"PCIE_A2A_SGLANG_FORMAT": "deepep_ll"}, "with this compressed"),
 ]
 
 

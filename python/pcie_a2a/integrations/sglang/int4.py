@@ -15,7 +15,12 @@ whose dispatcher is ours the plugin wraps three scheme methods:
 * ``apply_weights``: runs ``moe_int4_mlp`` on the received rows. ``routed_scaling_factor``
   is applied where SGLang's Marlin would apply it: on the platforms where SGLang's models
   leave the factor to the experts (CUDA, MUSA, XPU) and unless the top-k already folded
-  it into the weights. Elsewhere the model multiplies it itself.
+  it into the weights. Elsewhere the model multiplies it itself;
+* ``restore_weights_before_loading`` (compressed-tensors): a no-op for converted layers,
+  whose online weight updates SGLang's updater refuses (``RELOAD_REFUSED``).
+
+INT4 schemes this module does not convert are refused when their layer is built
+(:func:`check_scheme_hooked`).
 """
 
 from __future__ import annotations
@@ -38,6 +43,43 @@ _SCHEMES = {
     "gptq": "sglang.srt.layers.quantization.gptq.schemes.gptq_moe.GPTQMarlinMoEScheme",
     "awq": "sglang.srt.layers.quantization.awq.schemes.awq_moe.AWQMoEScheme",
 }
+
+
+#: SGLang 0.5.23's INT4-weight MoE schemes and methods that ``int4.py`` does not convert
+#: (their own kernels would get our rows, or never run on them): refused when built.
+UNHOOKED_INT4 = (
+    "CompressedTensorsMxInt4MoE",  # flashinfer_trtllm's in-kernel routing
+    "NPUCompressedTensorsW4A16Int4DynamicMoE",
+    "MoeWNA16Method",
+    "GPTQMoEAscendScheme",
+    "GPTQIntelAMXMoEScheme",
+    "AWQAscendMoEScheme",
+    "AWQIntelAMXMoEScheme",
+    "QuarkInt4Fp8MoEMethod",
+    "ModelSlimW4A4Int4MoE",
+)
+
+
+def check_scheme_hooked(layer: Any) -> str | None:
+    """For a MoE layer on our dispatcher: the INT4 format its scheme is converted from
+    (None: not an INT4 scheme), or a ValueError for an INT4 scheme this module does not
+    convert, or a subclass of a converted one that replaces the hooked methods."""
+    scheme = getattr(layer, "scheme", None) or getattr(layer, "quant_method", None)
+    cls = type(scheme)
+    exact = f"{cls.__module__}.{cls.__qualname__}" in _SCHEMES.values()
+    hooked_base = any(
+        f"{c.__module__}.{c.__qualname__}" in _SCHEMES.values() for c in cls.__mro__[1:]
+    )
+    if exact:
+        return _format_of(scheme)
+    if cls.__name__ in UNHOOKED_INT4 or hooked_base:
+        raise ValueError(
+            f"pcie_a2a: the MoE layer {getattr(layer, 'prefix', '')} uses the INT4 scheme "
+            f"{cls.__name__}, which pcie_a2a does not convert to its INT4 kernel (converted: "
+            f"{', '.join(c.rsplit('.', 1)[1] for c in _SCHEMES.values())}); use "
+            "--moe-runner-backend auto or marlin, or --moe-a2a-backend none for this model"
+        )
+    return None
 
 
 def _ours(layer: Any) -> bool:
@@ -241,7 +283,28 @@ def convert_layer(scheme: Any, layer: Any):
                 torch.nn.Parameter(torch.empty(0, dtype=p.dtype, device=p.device), False),
             )
     setattr(layer, INT4_ATTR, experts)
+    # SGLang's own seam for weights derived at load: its weight updater returns this
+    # message (success False) from update_weights_from_disk / _tensor / _distributed /
+    # _ipc before it writes anything, on every rank alike (every rank converts at load)
+    layer._derived_weight_cache_error = RELOAD_REFUSED
     return experts
+
+
+RELOAD_REFUSED = (
+    "pcie_a2a: online weight updates are not supported for INT4 MoE layers under "
+    "--moe-a2a-backend pcie: their experts run from pcie_a2a's packed copy, made once at "
+    "load from the loaded tensors (which are then freed), and an in-place load would not "
+    "refresh it; restart the server with the new checkpoint"
+)
+
+
+def _restore_weights_before_loading(original, self: Any, layer: Any, *a, **k):
+    # SGLang's restore would re-grow the freed tensors with uninitialised storage that a
+    # later process_weights_after_loading could pack: keep them empty, so a write that
+    # bypasses the updater's refusal fails on their shape instead
+    if getattr(layer, INT4_ATTR, None) is not None and _ours(layer):
+        return None
+    return original(self, layer, *a, **k)
 
 
 def _eplb_enabled() -> bool:
@@ -318,4 +381,11 @@ def hook_targets() -> list[tuple[str, Any]]:
         targets.append((f"{cls}.create_moe_runner", _create_moe_runner))
         targets.append((f"{cls}.process_weights_after_loading", _process_weights_after_loading))
         targets.append((f"{cls}.apply_weights", _apply_weights))
+    # the only INT4 scheme with a restore step (the Triton variant inherits it)
+    targets.append(
+        (
+            f"{_SCHEMES['compressed_tensors']}.restore_weights_before_loading",
+            _restore_weights_before_loading,
+        )
+    )
     return targets

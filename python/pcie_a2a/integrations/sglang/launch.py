@@ -22,7 +22,11 @@ Refused: an unvalidated model architecture, two-batch / single-batch overlap,
 ``--enable-eplb`` on an INT4 checkpoint (its layers run from pcie_a2a's packed copy, which
 SGLang's weight mover does not update), chunked prefill turned off, a
 ``PCIE_A2A_MAX_TOKENS_PER_RANK`` below what the server's own limits let one rank pass to
-one MoE call.
+one MoE call, a ``--moe-runner-backend`` whose top-k is not the (ids, weights) pair the
+dispatcher moves (:data:`REFUSED_RUNNERS`), and ``PCIE_A2A_SGLANG_FORMAT=deepep_normal|
+deepep_ll`` where nothing would apply ``routed_scaling_factor`` or with INT4 experts
+(:func:`check_output_format`). The layer-level twins of the last two run again when each
+MoE layer is built (``plugin.py``), for what the launcher cannot see.
 """
 
 from __future__ import annotations
@@ -111,6 +115,64 @@ def _refuse(flag: str, why: str) -> None:
     raise ValueError(f"pcie_a2a: {flag} is not supported with --moe-a2a-backend pcie: {why}")
 
 
+_IN_KERNEL = (
+    "its kernels route from the router logits inside the kernel (SGLang's BYPASSED top-k "
+    "format), so there are no per-token expert ids to dispatch"
+)
+#: ``--moe-runner-backend`` values refused under our backend, with the reason (SGLang 0.5.23)
+REFUSED_RUNNERS = {
+    "flashinfer_trtllm": _IN_KERNEL
+    + "; its INT4 scheme (CompressedTensorsMxInt4MoE) is not converted by pcie_a2a either",
+    "experimental_sgl_trtllm": _IN_KERNEL,
+    "flashinfer_mxfp4": _IN_KERNEL,
+    "triton_kernel": "its top-k output (TRITON_KERNEL routing data) carries no expert ids "
+    "for the dispatcher",
+}
+
+
+def check_runner_backend(value: Any, flag: str = "--moe-runner-backend") -> None:
+    name = getattr(value, "value", value)
+    if name in REFUSED_RUNNERS:
+        _refuse(
+            f"{flag} {name}",
+            f"{REFUSED_RUNNERS[name]}; use --moe-runner-backend auto (or triton / marlin)",
+        )
+
+
+def check_output_format(fmt: str, routed_scaling_factor: Any, int4: str | None) -> None:
+    """``deepep_normal`` / ``deepep_ll`` hand the rows to runners whose permute back to
+    those formats (SGLang's DeepGEMM, humming, aiter) never apply ``routed_scaling_factor``,
+    while ``DeepseekV2MoE`` and ``Glm4MoeSparseMoeBlock`` leave it to the runner on CUDA
+    (they pick ``forward_normal``, not the DeepEP forward, under our backend): the factor
+    would be lost. The INT4 path reads the STANDARD top-k only."""
+    if fmt == "standard":
+        return
+    factor = 1.0 if routed_scaling_factor is None else float(routed_scaling_factor)
+    if factor != 1.0:
+        _refuse(
+            f"PCIE_A2A_SGLANG_FORMAT={fmt} with this model (routed_scaling_factor={factor:g})",
+            "in this format neither the model nor SGLang's runners apply the factor, so "
+            "every MoE output would be off by it; unset PCIE_A2A_SGLANG_FORMAT (standard)",
+        )
+    if int4:
+        _refuse(
+            f"PCIE_A2A_SGLANG_FORMAT={fmt} with this {int4} INT4 checkpoint",
+            "its layers run pcie_a2a's INT4 kernel on the standard format only; unset "
+            "PCIE_A2A_SGLANG_FORMAT (standard)",
+        )
+
+
+def routed_scaling_factor_of(server_args: Any) -> Any:
+    from sglang.srt.arg_groups.overrides import model_config_of
+
+    mc = model_config_of(server_args)
+    for cfg in (getattr(mc, "hf_text_config", None), mc.hf_config):
+        factor = getattr(cfg, "routed_scaling_factor", None)
+        if factor is not None:
+            return factor
+    return None
+
+
 def validate(server_args: Any) -> list[str]:
     """Checks and adjustments for a server that selected our backend. Returns the log
     lines it emitted (also logged)."""
@@ -148,6 +210,13 @@ def validate(server_args: Any) -> list[str]:
             "FILE (from `pcie-a2a balance --sglang-out FILE`, or a logical_count file with "
             "--eplb-algorithm pcie_a2a), docs/balance.md",
         )
+    check_runner_backend(view.moe_runner_backend)
+    spec_runner = getattr(view, "speculative_moe_runner_backend", None)
+    if spec_runner is not None:
+        check_runner_backend(spec_runner, "--speculative-moe-runner-backend")
+    from pcie_a2a.integrations.sglang.dispatcher import output_format_from_env
+
+    check_output_format(output_format_from_env(), routed_scaling_factor_of(server_args), int4)
     if view.disaggregation_mode != "decode" and (view.chunked_prefill_size or 0) <= 0:
         _refuse(
             f"--chunked-prefill-size {view.chunked_prefill_size}",

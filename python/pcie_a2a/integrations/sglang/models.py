@@ -23,7 +23,9 @@ architecture is checked against :data:`VALIDATED_ARCHITECTURES` (see ``launch.py
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import os
 import threading
 from typing import Any
 
@@ -71,13 +73,35 @@ def _block_init(original, self, *args: Any, **kwargs: Any):
     stack.append(name)
     try:
         if name.endswith(".DeepseekV2MoE"):
-            from sglang.srt.environ import envs
-
-            with envs.SGLANG_SHARED_EXPERT_TP1.override(True):
+            with _shared_expert_tp1():
                 return original(self, *args, **kwargs)
         return original(self, *args, **kwargs)
     finally:
         stack.pop()
+
+
+@contextlib.contextmanager
+def _shared_expert_tp1():
+    """SGLang's ``SGLANG_SHARED_EXPERT_TP1`` on for one block's ``__init__``. Not
+    SGLang's own ``envs.X.override()``: that one restores nothing when the body raises,
+    so a block that failed to build would leave every later block (and a retry after a
+    refused configuration) with the switch on."""
+    from sglang.srt.environ import envs
+
+    var = envs.SGLANG_SHARED_EXPERT_TP1
+    present = var.name in os.environ
+    value = os.environ.get(var.name)
+    set_to_none = getattr(var, "_set_to_none", False)
+    var.set(True)
+    try:
+        yield
+    finally:
+        if present:
+            os.environ[var.name] = value
+        else:
+            os.environ.pop(var.name, None)
+        if hasattr(var, "_set_to_none"):
+            var._set_to_none = set_to_none
 
 
 def _shared_mlp_init(original, self, *args: Any, **kwargs: Any):

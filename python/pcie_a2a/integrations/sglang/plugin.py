@@ -78,11 +78,30 @@ def _post_experts_output_is_complete(original, *args: Any, **kwargs: Any) -> boo
 def _fused_moe_init(result: Any, self: Any, *args: Any, **kwargs: Any) -> None:
     from pcie_a2a.integrations.sglang.dispatcher import PcieA2ADispatcher
 
-    if isinstance(getattr(self, "dispatcher", None), PcieA2ADispatcher):
+    dispatcher = getattr(self, "dispatcher", None)
+    if isinstance(dispatcher, PcieA2ADispatcher):
         # The combine already returned complete sums: an all-reduce would add the outputs
         # of *different* tokens from other DP ranks (or hang on mismatched sizes).
         self.reduce_results = False
+        check_layer(self, dispatcher)
     return None
+
+
+def check_layer(layer: Any, dispatcher: Any) -> None:
+    """The launch refusals again for one MoE layer as built (a runner backend or scheme
+    SGLang picked itself, a format set only in the scheduler's environment), plus the
+    INT4 schemes whose weights ``int4.py`` does not convert."""
+    from sglang.srt.layers.moe.utils import get_moe_runner_backend
+
+    from pcie_a2a.integrations.sglang import int4, launch
+
+    launch.check_runner_backend(get_moe_runner_backend())
+    int4_scheme = int4.check_scheme_hooked(layer)
+    factor = None  # off CUDA/MUSA/XPU the model applies it itself, in every format
+    if int4.runner_applies_routed_scaling(layer):
+        cfg = getattr(layer, "moe_runner_config", None) or dispatcher.moe_runner_config
+        factor = getattr(cfg, "routed_scaling_factor", None)
+    launch.check_output_format(dispatcher.output_format, factor, int4_scheme)
 
 
 def _missing_a2a_name(original, cls: Any, value: Any):

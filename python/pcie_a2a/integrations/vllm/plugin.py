@@ -15,11 +15,12 @@ when ``PCIE_A2A_VLLM=1``, ``register()`` installs two hooks:
 Independently of ``PCIE_A2A_VLLM``, ``PCIE_A2A_ALLREDUCE=1`` puts the TP all-reduce below
 the crossover on ``pcie_a2a.AllReduce`` (``allreduce.py``).
 
-A plugin must never break its host: without ``PCIE_A2A_VLLM=1`` nothing is imported or
-patched, and any failure inside ``register()`` (an unsupported vLLM, a vLLM whose internals
-moved) is logged as a warning, every hook already installed is undone, and vLLM runs as if
-pcie_a2a were not installed. vLLM may load general plugins several times per process:
-``register()`` is idempotent.
+Without ``PCIE_A2A_VLLM=1`` nothing is imported or patched. With it, the user asked for
+pcie_a2a's all2all: a failure inside ``register()`` (an unsupported vLLM, a vLLM whose
+internals moved) undoes every hook already installed and raises, naming why, so the launch
+stops instead of serving on vLLM's own all2all. Layers whose experts need a monolithic
+prepare/finalize (pcie_a2a's is modular) are refused the same way when they are built.
+vLLM may load general plugins several times per process: ``register()`` is idempotent.
 """
 
 from __future__ import annotations
@@ -77,9 +78,11 @@ def _wrap_factory(original):
             and not getattr(pc, "use_passthrough_all2all", False)
         ):
             if use_monolithic:
-                logger.warning(
-                    "pcie_a2a: this layer's experts need a monolithic prepare/finalize; "
-                    "using vLLM's own"
+                raise ValueError(
+                    f"pcie_a2a ({ENABLE_ENV}=1): this MoE layer's experts need a monolithic "
+                    "prepare/finalize (router and experts fused in one kernel, e.g. "
+                    "FlashInfer TRT-LLM), and pcie_a2a's is modular; pick another MoE "
+                    f"backend for this model (e.g. --moe-backend triton) or unset {ENABLE_ENV}"
                 )
             else:
                 from pcie_a2a.integrations.vllm.prepare_finalize import (
@@ -161,25 +164,23 @@ def _install() -> tuple[str, int]:
 
 
 def register() -> None:
-    """Entry point (``vllm.general_plugins``). Never raises, except for the launch refusal
-    of ``PCIE_A2A_ALLREDUCE=1`` on a vLLM whose communicators cannot be hooked."""
+    """Entry point (``vllm.general_plugins``). Inert unless ``PCIE_A2A_VLLM=1`` or
+    ``PCIE_A2A_ALLREDUCE=1``; with either set, what cannot be installed raises (vLLM's
+    loader lets it through, so the launch stops with the reason)."""
     from pcie_a2a.integrations.vllm import allreduce
 
     allreduce.register()  # the TP all-reduce hooks; inert unless PCIE_A2A_ALLREDUCE=1
-    try:
-        if not is_enabled():
-            logger.debug("pcie_a2a vLLM plugin inert (%s is not 1): nothing patched", ENABLE_ENV)
-            return
-        version, rebound = _install()
-    except Exception as exc:  # a plugin must never break its host
-        logger.warning(
-            "pcie_a2a vLLM plugin NOT active, vLLM runs unchanged with its own all2all "
-            "(%s=1 was set): %s: %s",
-            ENABLE_ENV,
-            type(exc).__name__,
-            exc,
-        )
+    if not is_enabled():
+        logger.debug("pcie_a2a vLLM plugin inert (%s is not 1): nothing patched", ENABLE_ENV)
         return
+    try:
+        version, rebound = _install()
+    except Exception as exc:  # every hook is undone by _install; the user asked for ours
+        raise RuntimeError(
+            f"pcie_a2a: {ENABLE_ENV}=1 asks vLLM to run its expert-parallel all2all on "
+            f"pcie_a2a, which cannot be installed in this vLLM: {type(exc).__name__}: {exc}. "
+            f"Unset {ENABLE_ENV} to serve with vLLM's own all2all."
+        ) from exc
     if rebound >= 0:
         logger.info(
             "pcie_a2a vLLM plugin registered (vllm %s, %s=1): prepare/finalize hook on %s "

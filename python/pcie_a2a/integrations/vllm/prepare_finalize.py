@@ -12,13 +12,16 @@ the experts in the space *they* index with:
   global ids; a slot routed to another rank points at an expert that is not on this rank,
   with weight 0, so ``expert_map`` turns it into -1 (vLLM's DeepEP high-throughput
   convention);
-- experts that do not (vLLM's CPU experts, and any whose ``supports_expert_map()`` is
-  false) index their local weights directly: they get local ids, and a slot routed
-  elsewhere points at local expert 0 with weight 0 (it costs a wasted row, never a wrong
-  one).
+- vLLM's CPU experts index their local weights directly: they get local ids, and a slot
+  routed elsewhere points at local expert 0 with weight 0 (it costs a wasted row, never a
+  wrong one).
 
-The choice is made in ``post_init_setup`` (vLLM calls it with the experts when it builds
-the ``FusedMoEKernel``). Ids keep the router's dtype. Activation quantization runs after
+Which is which is read from the experts' class against two lists checked against vLLM
+0.33's sources (:data:`GLOBAL_ID_EXPERTS`, :data:`LOCAL_ID_EXPERTS`), never from
+``supports_expert_map()``: vLLM itself never calls that method, and a False answer does
+not mean "local ids" (``HPCExperts`` and ``MoonEPExperts`` answer False and index
+*global* ids). Experts in neither list are refused in ``post_init_setup`` (vLLM calls it
+with the experts when it builds the ``FusedMoEKernel``, at model construction). Ids keep the router's dtype. Activation quantization runs after
 the dispatch, exactly as vLLM's no-EP path quantizes (``a1_gscale`` for NVFP4, the
 experts' scale layout), so scales never cross the wire.
 
@@ -66,12 +69,62 @@ def default_group() -> dist.ProcessGroup | None:
     return None
 
 
+_EXPERTS = "vllm.model_executor.layers.fused_moe.experts."
+
+#: Experts whose ``apply`` passes ``expert_map`` to its kernel (global ids in, -1 dropped):
+#: class (or base class) -> module. Subclasses inherit the answer.
+GLOBAL_ID_EXPERTS = {
+    "TritonExperts": _EXPERTS + "triton_moe",  # + TritonWNA16Experts, the emulations
+    "MarlinExpertsBase": _EXPERTS + "marlin_moe",
+    "DeepGemmExperts": _EXPERTS + "deep_gemm_moe",
+    "CutlassExpertsFp8Base": _EXPERTS + "cutlass_moe",
+    "FallbackExperts": _EXPERTS + "fallback",  # TritonOrDeepGemm, TritonOrCutlass
+}
+#: vLLM's CPU experts: ``expert_map`` is in their signature and never read; the ids index
+#: this rank's weights as given.
+LOCAL_ID_EXPERTS = {
+    name: _EXPERTS + "cpu_moe"
+    for name in (
+        "CPUUnquantizedExperts",  # + its x86, Arm and PowerPC subclasses
+        "CPUExpertsFp8",
+        "CPUExpertsFp8W8A8",
+        "CPUExpertsMxfp4",
+        "CPUExpertsInt4",
+        "CPUExpertsInt8",
+        "ArmCPUExpertsInt8",
+        "PowerCPUExpertsInt8",
+        "ZenCPUExpertsInt8",
+    )
+}
+
+
+def _listed(cls: type, table: dict[str, str]) -> bool:
+    return any(table.get(c.__name__) == c.__module__ for c in cls.__mro__)
+
+
+def expert_id_space(fused_experts: Any) -> str:
+    """``"global"`` or ``"local"``: the ids these experts index with, from their class;
+    a ValueError naming the class for experts in neither list."""
+    cls = type(fused_experts)
+    if _listed(cls, GLOBAL_ID_EXPERTS):
+        return "global"
+    if _listed(cls, LOCAL_ID_EXPERTS):
+        return "local"
+    known = ", ".join(sorted(GLOBAL_ID_EXPERTS) + sorted(LOCAL_ID_EXPERTS))
+    raise ValueError(
+        f"pcie_a2a (PCIE_A2A_VLLM=1): the MoE experts {cls.__module__}.{cls.__qualname__} "
+        "are not among those whose expert-id convention pcie_a2a has checked (global ids "
+        "through expert_map, or this rank's local ids), so the rows could reach the wrong "
+        f"experts; supported: {known}. Choose another MoE backend (--moe-backend) or unset "
+        "PCIE_A2A_VLLM"
+    )
+
+
 def experts_read_expert_map(fused_experts: Any = None) -> bool:
-    """Whether these experts (None: the platform's usual ones) map global ids through
-    ``expert_map`` (True) or index their local weights with the ids as given (False)."""
-    declared = getattr(fused_experts, "supports_expert_map", None)
-    if callable(declared):
-        return bool(declared())
+    """Whether these experts (None: the platform's usual ones, for a prepare/finalize
+    used outside a FusedMoEKernel) map global ids through ``expert_map``."""
+    if fused_experts is not None:
+        return expert_id_space(fused_experts) == "global"
     from vllm.platforms import current_platform
 
     # vLLM's CPU experts (experts/cpu_moe.py) never read expert_map
@@ -227,8 +280,8 @@ class PcieA2APrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         return False  # refused at launch (launch.resolve)
 
     def post_init_setup(self, fused_experts: Any) -> None:
-        if self.expert_ids == "auto":
-            self.expert_ids = "global" if experts_read_expert_map(fused_experts) else "local"
+        if self.expert_ids == "auto":  # an explicit expert_ids is the caller's word
+            self.expert_ids = expert_id_space(fused_experts)
             logger.debug(
                 "pcie_a2a: %s gets %s expert ids", type(fused_experts).__name__, self.expert_ids
             )
