@@ -54,10 +54,10 @@ COPIES_PER_K_TILE = {bm: bm * 8 // THREADS + BLOCK_K // 16 + 1 for bm in (16, 64
 # them per instantiation; tests/test_moe_int4_sass.py checks the compiled kernels stay
 # within these): the static instructions from the entry to the first weight copy (also the
 # --check budget), the chain of dependent global loads that copy's address waits for
-# (num_tiles -> the tile's expert), and the tails' serial round trips (the ticket RMW with
+# (num_tiles -> the tile's expert: 2; the report's count is an upper bound, 3 on some), and the tails' serial round trips (the ticket RMW with
 # release/acquire, then the re-read of the sums or of the accumulator row).
-PROLOGUE_INSTR = 460
-PROLOGUE_DEPENDENT_LOADS = 2
+PROLOGUE_INSTR = 500
+PROLOGUE_DEPENDENT_LOADS = 3
 TAIL_ROUND_TRIPS = 2
 # The schedule kernel (one CTA, schedule.cuh): reads of the routing (count, scatter) and the
 # writes the GEMMs then read, plus the one-thread prefix sum over the experts.
