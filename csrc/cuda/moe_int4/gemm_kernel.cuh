@@ -65,6 +65,7 @@ constexpr int kBStageBytes = (kBlockK / kTileK) * kWarps * 512;  // 8192
 constexpr int kSStageBytes = 2 * kBlockN * 2;                    // <= 2 groups per k-tile
 constexpr int kZStageBytes = kSStageBytes;
 constexpr float kFp16Max = 65504.0f;
+constexpr int32_t kPrefetchTiles = 64;  // tiles the L2 prefetch of the down weights walks
 
 template <int kBlockM>
 struct SmemLayout {
@@ -528,7 +529,10 @@ struct GemmCta {
     const int64_t lines = p.prefetch_expert_bytes / 128;
     int64_t budget = p.prefetch_max_bytes / 128;
     const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
-    for (int32_t t = 0; t < tiles && budget > 0; ++t) {
+    // At most kPrefetchTiles tiles are looked at: a hint must not cost a long serial walk
+    // at the end of every CTA (many small experts at prefill).
+    const int32_t walk = tiles < kPrefetchTiles ? tiles : kPrefetchTiles;
+    for (int32_t t = 0; t < walk && budget > 0; ++t) {
       const int32_t e = p.tiles[t * 4];
       if (t > 0 && p.tiles[(t - 1) * 4] == e) continue;
       const int64_t n = lines < budget ? lines : budget;
