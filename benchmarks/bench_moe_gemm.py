@@ -85,19 +85,27 @@ class Timer:
         self.sink = torch.empty((), dtype=torch.int64, device=dev)
         self.iters = iters
         self.use_graph = use_graph
+        self.capture_stream = torch.cuda.Stream(dev)  # every point's graph captures here
 
     def flush(self) -> None:
         torch.sum(self.flush_buf, 0, dtype=torch.int64, out=self.sink)  # reads only
 
     def __call__(self, fn) -> float:
         fn()
-        torch.cuda.synchronize()
         run = fn
         if self.use_graph:
+            # moe_int4_mlp keeps its zeroed workspace per stream and allocates it (zeroed)
+            # on first use: a warm-up call on the capture stream keeps that first-use
+            # zeroing out of the graph (else the first point's replays all include it).
+            self.capture_stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.capture_stream):
+                fn()
+            torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with torch.cuda.graph(graph, stream=self.capture_stream):
                 fn()
             run = graph.replay
+        torch.cuda.synchronize()
         times = []
         for _ in range(self.iters):
             self.flush()

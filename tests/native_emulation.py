@@ -11,6 +11,19 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 
+def skip_or_fail(reason: str) -> None:
+    """Skips the calling test for a missing tool, or fails it under
+    PCIE_A2A_REQUIRE_NATIVE_TOOLS=1 (CI: these are the only runs of the CUDA code before a
+    GPU, so they must not skip silently)."""
+    import pytest
+
+    from pcie_a2a import env
+
+    if env.require_native_tools():
+        pytest.fail(f"PCIE_A2A_REQUIRE_NATIVE_TOOLS=1 but {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
 def compiler() -> str | None:
     """The host C++ compiler the emulations build with ($CXX, else c++ or g++)."""
     return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")

@@ -37,7 +37,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from native_emulation import compiler, missed_mutations, mutate
+from native_emulation import compiler, missed_mutations, mutate, skip_or_fail
 from pcie_a2a.allreduce import reference as R
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -125,7 +125,7 @@ def build_emulator(out: Path, csrc: Path = CSRC, base: Path | None = None, rebui
 @pytest.fixture(scope="session")
 def emulator(tmp_path_factory) -> Path:
     if compiler() is None:
-        pytest.skip("no host C++ compiler (c++/g++) to build the all-reduce emulation")
+        skip_or_fail("no host C++ compiler (c++/g++) to build the all-reduce emulation")
     if sys.platform != "linux":
         pytest.skip("the emulation's rank processes share memory the Linux way (fork, prctl)")
     return build_emulator(tmp_path_factory.mktemp("allreduce_emu"))

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from dist_utils import run_ranks
-from native_emulation import compiler
+from native_emulation import compiler, skip_or_fail
 
 try:
     import cuda_transport_cases as C
@@ -41,7 +41,7 @@ LAUNCH_TARGET = 4
 @pytest.fixture(scope="session")
 def emu_so(tmp_path_factory) -> str:
     if compiler() is None:
-        pytest.skip("no host C++ compiler to build the emulated CUDA module")
+        skip_or_fail("no host C++ compiler to build the emulated CUDA module")
     if sys.platform != "linux":
         pytest.skip("the emulated runtime maps its arena the Linux way")
     import cuda_emu_module

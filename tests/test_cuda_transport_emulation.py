@@ -66,7 +66,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from native_emulation import compiler, missed_mutations, mutate
+from native_emulation import compiler, missed_mutations, mutate, skip_or_fail
 
 try:
     import cuda_transport_cases as C
@@ -171,7 +171,7 @@ def _objects() -> list[str]:
 @pytest.fixture(scope="session")
 def emulator(tmp_path_factory) -> Path:
     if compiler() is None:
-        pytest.skip("no host C++ compiler (c++/g++) to build the transport emulation")
+        skip_or_fail("no host C++ compiler (c++/g++) to build the transport emulation")
     if sys.platform != "linux":
         pytest.skip("the emulation's rank processes share memory the Linux way (prctl, shm)")
     if not all((CSRC / "cuda" / "transport" / s).is_file() for s in SOURCES):

@@ -34,3 +34,15 @@ def test_copy_engine_min_bytes_rejects_bad_values(monkeypatch, value):
         ValueError, match=r"PCIE_A2A_COPY_ENGINE_MIN_BYTES=.*byte count >= 0 or 'off'"
     ):
         env.copy_engine_min_bytes()
+
+
+def test_require_native_tools_turns_a_missing_tool_skip_into_a_failure(monkeypatch):
+    """The CUDA execution model and SASS tests skip for a missing tool, except in CI."""
+    from native_emulation import skip_or_fail
+
+    monkeypatch.delenv("PCIE_A2A_REQUIRE_NATIVE_TOOLS", raising=False)
+    with pytest.raises(pytest.skip.Exception, match="nvcc not found"):
+        skip_or_fail("nvcc not found")
+    monkeypatch.setenv("PCIE_A2A_REQUIRE_NATIVE_TOOLS", "1")
+    with pytest.raises(pytest.fail.Exception, match="REQUIRE_NATIVE_TOOLS=1 but nvcc not found"):
+        skip_or_fail("nvcc not found")

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from native_emulation import compiler, missed_mutations, mutate
+from native_emulation import compiler, missed_mutations, mutate, skip_or_fail
 from probe_synthetic import gate_pattern
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -113,7 +113,7 @@ def run(binary: Path, *args: str) -> list[str]:
 @pytest.fixture(scope="session")
 def emulator(tmp_path_factory) -> Path:
     if compiler() is None:
-        pytest.skip("no host C++ compiler (c++/g++) to build the probe emulation")
+        skip_or_fail("no host C++ compiler (c++/g++) to build the probe emulation")
     if not (CSRC / "cuda" / "probe" / "session.cu").is_file():
         pytest.skip("the probe sources are not in this checkout")
     return build(tmp_path_factory.mktemp("probe_emu"))

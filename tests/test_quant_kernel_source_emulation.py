@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from native_emulation import compiler, missed_mutations, mutate
+from native_emulation import compiler, missed_mutations, mutate, skip_or_fail
 from pcie_a2a.quant import (
     PackedInt4Experts,
     from_awq,
@@ -74,9 +74,9 @@ def build_emulator(out: Path, csrc: Path = CSRC, sanitize: bool = True) -> Path:
 @pytest.fixture(scope="session")
 def emulator(tmp_path_factory) -> Path:
     if compiler() is None:
-        pytest.skip("no host C++ compiler (c++/g++) to build the kernel emulation")
+        skip_or_fail("no host C++ compiler (c++/g++) to build the kernel emulation")
     if not all((CSRC / "cuda" / "moe_int4" / s).is_file() for s in SOURCES):
-        pytest.skip("the kernel sources are not in this checkout")
+        skip_or_fail("the kernel sources are not in this checkout")
     return build_emulator(tmp_path_factory.mktemp("moe_int4_emu") / "moe_int4_emu")
 
 
@@ -497,11 +497,12 @@ MUTATIONS = [
     ("gemm_kernel.cuh", "a_s + mb * 16 * kARowStride", "a_s", "rows64"),
     # split-K: the last part does not re-zero the workspace
     ("gemm_kernel.cuh", "__stcg(w, 0.0f);", "(void)w;", "split"),
-    # stream-K: the owner of a unit off by one CTA (wrong part count of split items)
+    # stream-K: the owner of a CTA's first unit taken as the CTA before (the float
+    # estimate's correction stops one short: wrong part count of split items)
     (
         "gemm_kernel.cuh",
-        "return ((v / gran + 1) * ctas - 1) /",
-        "return ((v / gran) * ctas) /",
+        "begin(b + 1) <= v) ++b;",
+        "begin(b + 1) < v) ++b;",
         "split_odd",
     ),
     # stream-K: a segment drops its last k-tile (a mutant must not hang: no change to u)
@@ -541,8 +542,22 @@ MUTATIONS = [
     # zeroing: only half of the active rows' accumulator zeroed
     (
         "gemm_kernel.cuh",
-        "i < n;\n         i += static_cast<int64_t>(gridDim.x)",
-        "i < n / 2;\n         i += static_cast<int64_t>(gridDim.x)",
+        "for (int32_t r = blockIdx.x; r < n; r += gridDim.x)",
+        "for (int32_t r = blockIdx.x; r < n / 2; r += gridDim.x)",
+        "rows16",
+    ),
+    # L2 prefetch of the down weights: expert index off by one (past the last expert)
+    (
+        "gemm_kernel.cuh",
+        "base + e * p.prefetch_expert_bytes;",
+        "base + (e + 1) * p.prefetch_expert_bytes;",
+        "rows16",
+    ),
+    # prologue: the weights of stage 1 and 2 copied into stage 0 (weights before rows)
+    (
+        "gemm_kernel.cuh",
+        "if (kb + st < ke) cta.load_weights(st, kb + st);",
+        "if (kb + st < ke) cta.load_weights(0, kb + st);",
         "rows16",
     ),
     # act-order: A gathered through the permutation shifted by one column
@@ -669,5 +684,6 @@ def test_emulated_sources_are_the_kernel():
     real_ops = (CSRC / "cuda" / "moe_int4" / "device_ops.cuh").read_text()
     names = ("dynamic_smem", "lop3_and_or", "cp_async16", "cp_async_commit", "cp_async_wait")
     extra = ("prmt", "fma2", "ldmatrix_x4", "grid_dependency_wait", "grid_dependency_launch")
+    extra += ("atomic_add_acq_rel", "prefetch_l2")
     for fn in (*names, *extra, "mma_16816"):
         assert re.search(rf"\b{fn}\b", real_ops) and re.search(rf"\b{fn}\b", emu_ops), fn

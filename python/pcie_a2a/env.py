@@ -282,6 +282,13 @@ def is_one(name: str) -> bool:
     return _get(name) == "1"
 
 
+def require_native_tools() -> bool:
+    """PCIE_A2A_REQUIRE_NATIVE_TOOLS=1 (CI): the tests that run the CUDA sources without a
+    GPU (the CUDA execution model, the SASS checks) fail instead of skipping when a tool
+    they need (host compiler, nvcc, cuobjdump) is missing."""
+    return is_one("PCIE_A2A_REQUIRE_NATIVE_TOOLS")
+
+
 def sglang_enabled() -> bool:
     """PCIE_A2A_SGLANG=0 leaves SGLang's ``customized`` a2a backend to another plugin."""
     return _get("PCIE_A2A_SGLANG") != "0"

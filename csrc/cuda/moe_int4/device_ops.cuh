@@ -93,6 +93,27 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
 
+// Ticket of the split-K and finalise tails: one RMW that releases what this CTA wrote
+// before its barrier (cumulativity: the other threads' red.adds were ordered before it by
+// __syncthreads) and acquires what the earlier parts released; the CTA's other threads
+// read after the next barrier. Replaces a seq-cst fence before and after the RMW in every
+// thread (MEMBAR.SC: a full drain of the memory pipeline each).
+__device__ __forceinline__ int32_t atomic_add_acq_rel(int32_t* p, int32_t v) {
+  int32_t old;
+  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;\n"
+               : "=r"(old)
+               : "l"(p), "r"(v)
+               : "memory");
+  return old;
+}
+
+// Hint: fetch the 128-byte line holding p into L2 (no register result, no fault, no
+// ordering). The gate/up GEMM's CTAs issue it for the down projection's weights when they
+// run out of work, so the down GEMM's first k-tiles hit L2 across the launch gap.
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
+}
+
 // D = A * B + D, m16n8k16, A row-major bf16/fp16 (4 regs), B col-major (2 regs), fp32 D.
 template <typename T>
 __device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,

@@ -65,6 +65,7 @@ constexpr int kBStageBytes = (kBlockK / kTileK) * kWarps * 512;  // 8192
 constexpr int kSStageBytes = 2 * kBlockN * 2;                    // <= 2 groups per k-tile
 constexpr int kZStageBytes = kSStageBytes;
 constexpr float kFp16Max = 65504.0f;
+constexpr int32_t kPrefetchTiles = 64;  // tiles the L2 prefetch of the down weights walks
 
 template <int kBlockM>
 struct SmemLayout {
@@ -139,27 +140,39 @@ __device__ __forceinline__ float silu(float v) {
 
 // The stream-K partition, shared with the host (grid model tests, emulation): `units`
 // k-tiles in chunks of `gran` (1, or k_tiles when items must stay whole) over `ctas`.
+// 32-bit throughout (check_args bounds the units below 2^31): 64-bit division is a
+// subroutine of ~100 instructions, and these sit on the chain before the first weight copy.
 struct Partition {
-  int64_t units = 0, ctas = 1, gran = 1;
-  // First unit of CTA b (b in [0, ctas]).
-  __host__ __device__ int64_t begin(int64_t b) const { return (b * (units / gran) / ctas) * gran; }
-  // The CTA whose range holds unit v.
-  __host__ __device__ int64_t owner(int64_t v) const {
-    return ((v / gran + 1) * ctas - 1) / (units / gran);
+  int32_t units = 0, ctas = 1, gran = 1;
+  int32_t chunks = 0, q = 0, r = 0;  // chunks = units / gran = q * ctas + r
+  // First unit of CTA b (b in [0, ctas]): floor(b * chunks / ctas) chunks, without the
+  // 64-bit product (b * r < ctas^2).
+  __host__ __device__ int32_t begin(int32_t b) const { return (b * q + b * r / ctas) * gran; }
+  // The CTA whose range holds unit v: floor(((v / gran + 1) * ctas - 1) / chunks), from a
+  // float estimate (off by at most one) corrected against begin().
+  __host__ __device__ int32_t owner(int32_t v) const {
+    const float est = static_cast<float>(v / gran) * static_cast<float>(ctas) / chunks;
+    int32_t b = static_cast<int32_t>(est);
+    b = b < 0 ? 0 : (b > ctas - 1 ? ctas - 1 : b);
+    while (b > 0 && begin(b) > v) --b;
+    while (b + 1 < ctas && begin(b + 1) <= v) ++b;
+    return b;
   }
 };
 
-__host__ __device__ inline Partition make_partition(int64_t items, int k_tiles, int64_t grid,
+__host__ __device__ inline Partition make_partition(int32_t items, int k_tiles, int32_t grid,
                                                     bool splittable) {
   Partition pt;
   pt.units = items * k_tiles;
   pt.gran = splittable ? 1 : k_tiles;
-  const int64_t chunks = pt.units / pt.gran;
+  const int32_t chunks = pt.chunks = pt.units / pt.gran;
   // Parts of at least kMinPartKTiles k-tiles: a shorter part spends more time filling the
   // pipeline than streaming.
-  int64_t c = splittable ? chunks / kMinPartKTiles : chunks;
+  int32_t c = splittable ? chunks / kMinPartKTiles : chunks;
   if (c > grid) c = grid;
   pt.ctas = c < 1 ? 1 : c;
+  pt.q = chunks / pt.ctas;
+  pt.r = chunks - pt.q * pt.ctas;
   return pt;
 }
 
@@ -186,21 +199,14 @@ struct GemmCta {
 
   __device__ GemmCta(const GemmParams& params, unsigned char* s) : p(params), smem(s) {}
 
-  __device__ void start_item(const int32_t* tile, int n_block, int kt) {
+  // The weights of an item need only its tile's expert: their copies are issued before
+  // the activation rows (a further dependent load, pair_src) are known.
+  __device__ void start_weights(const int32_t* tile, int n_block, int kt) {
     const int tid = threadIdx.x;
     expert = tile[0];
     pair0 = tile[1];
     rows = tile[2];
     nb = n_block;
-    const T* a = static_cast<const T*>(p.a);
-    a_col = kt * kBlockK + (tid % 8) * 8;
-#pragma unroll
-    for (int i = 0; i < kAChunks; ++i) {
-      const int r = tid / 8 + i * (kThreads / 8);
-      const int32_t pair = pair0 + r;
-      const int32_t row = r < rows ? (p.a_gather ? p.pair_src[pair] : pair) : -1;
-      a_src[i] = row >= 0 ? a + static_cast<int64_t>(row) * p.lda + a_col : nullptr;
-    }
     // Weights: k16 row s of k-tile kt of this slice starts at word
     // ((kt * 4 + s) * n_tiles + nb * kWarps) * 128 (layout.h); this thread copies word tid * 4.
     w_row_bytes = static_cast<int64_t>(p.n_pad) * 2 * 4;
@@ -216,24 +222,27 @@ struct GemmCta {
                 2;
   }
 
-  __device__ unsigned char* stage(int st) const { return smem + st * Smem::kStageBytes; }
-
-  // Issue the copies of k-tile kt into stage st (one commit group per call), then advance
-  // the copy pointers to k-tile kt + 1.
-  __device__ void load_stage(int st, int kt) {
+  __device__ void start_rows(int kt) {
     const int tid = threadIdx.x;
-    unsigned char* base = stage(st);
-    T* sa = reinterpret_cast<T*>(base);
-    const bool col_ok = a_col < p.a_cols;
+    const T* a = static_cast<const T*>(p.a);
+    a_col = kt * kBlockK + (tid % 8) * 8;
 #pragma unroll
     for (int i = 0; i < kAChunks; ++i) {
       const int r = tid / 8 + i * (kThreads / 8);
-      const bool ok = a_src[i] != nullptr && col_ok;
-      cp_async16(sa + r * kARowStride + (tid % 8) * 8, ok ? a_src[i] : p.a, ok);
-      if (a_src[i] != nullptr) a_src[i] += kBlockK;
+      const int32_t pair = pair0 + r;
+      const int32_t row = r < rows ? (p.a_gather ? p.pair_src[pair] : pair) : -1;
+      a_src[i] = row >= 0 ? a + static_cast<int64_t>(row) * p.lda + a_col : nullptr;
     }
-    a_col += kBlockK;
-    unsigned char* sb = base + Smem::kAStageBytes;
+  }
+
+  __device__ unsigned char* stage(int st) const { return smem + st * Smem::kStageBytes; }
+
+  // Copies of k-tile kt into stage st, then the copy pointers advance to k-tile kt + 1.
+  // load_weights (weights, scales, zero points) and load_rows (activations) join the same
+  // commit group unless the prologue puts several stages' weights into the first group.
+  __device__ void load_weights(int st, int kt) {
+    const int tid = threadIdx.x;
+    unsigned char* sb = stage(st) + Smem::kAStageBytes;
 #pragma unroll
     for (int s = 0; s < kBlockK / kTileK; ++s)
       cp_async16(sb + (s * kThreads + tid) * 16, w_src + s * w_row_bytes, true);
@@ -246,6 +255,26 @@ struct GemmCta {
       cp_async16(dst + (r * kBlockN + (tid % 32) * 8) * 2,
                  s_src + static_cast<int64_t>(g0) * p.n_pad * 2, true);
     }
+  }
+
+  __device__ void load_rows(int st) {
+    const int tid = threadIdx.x;
+    T* sa = reinterpret_cast<T*>(stage(st));
+    const bool col_ok = a_col < p.a_cols;
+#pragma unroll
+    for (int i = 0; i < kAChunks; ++i) {
+      const int r = tid / 8 + i * (kThreads / 8);
+      const bool ok = a_src[i] != nullptr && col_ok;
+      cp_async16(sa + r * kARowStride + (tid % 8) * 8, ok ? a_src[i] : p.a, ok);
+      if (a_src[i] != nullptr) a_src[i] += kBlockK;
+    }
+    a_col += kBlockK;
+  }
+
+  // One commit group per call.
+  __device__ void load_stage(int st, int kt) {
+    load_weights(st, kt);
+    load_rows(st);
     cp_async_commit();
   }
 
@@ -370,20 +399,13 @@ struct GemmCta {
             atomicAdd(ws + r * kBlockN + warp * kTileN + 8 * t + 2 * c + e,
                       acc[mb][t][2 * half + e]);
       }
-    __threadfence();  // release: this thread's partials before the ticket
+    // The barrier orders every thread's partials before thread 0's ticket, whose release
+    // carries them (cumulativity); its acquire of the earlier parts' releases, then the
+    // barrier, orders their partials before every thread's reads below.
     __syncthreads();
     int last = 0;
-    if (threadIdx.x == 0) {
-      __threadfence();  // with the ticket RMW: release of this CTA's partials
-      last = atomicAdd(p.split_cnt + slot, 1) == parts - 1;
-      // The PTX memory model's acquire pattern is a strong read followed by a fence *in the
-      // same thread*: only then does the barrier below order the other parts' partials
-      // before this CTA's reads (a fence in the other threads after the barrier alone is
-      // not that pattern).
-      __threadfence();
-    }
+    if (threadIdx.x == 0) last = atomic_add_acq_rel(p.split_cnt + slot, 1) == parts - 1;
     if (!__syncthreads_or(last)) return false;
-    __threadfence();  // every thread: its reads below come after the acquire
 #pragma unroll
     for (int mb = 0; mb < kMBlocks; ++mb)
 #pragma unroll
@@ -457,8 +479,7 @@ struct GemmCta {
   // columns of the fp32 accumulator into the output and re-zeroes the ticket.
   __device__ void finalise_rows(int kts) const {
     int32_t* done = reinterpret_cast<int32_t*>(smem);  // stages are idle after the barrier
-    __threadfence();  // release: this thread's red.adds before the tickets
-    __syncthreads();
+    __syncthreads();  // every thread's red.adds before the tickets' releases
     const int tid = threadIdx.x;
     const int n_blocks = p.n_pad / kBlockN;
     if (tid < kBlockM) {
@@ -467,17 +488,14 @@ struct GemmCta {
         const int32_t orow = p.pair_src[pair0 + tid];
         int32_t* cnt = p.row_cnt + static_cast<int64_t>(orow) * n_blocks + nb;
         const int32_t need = p.row_pairs[orow] * (p.k_pad / kBlockK);
-        __threadfence();
-        if (atomicAdd(cnt, kts) + kts == need) {
+        if (atomic_add_acq_rel(cnt, kts) + kts == need) {
           row = orow;
           *cnt = 0;  // every contribution has arrived: nothing else touches it this launch
         }
-        __threadfence();  // acquire (strong RMW + fence in this thread, then the barrier)
       }
       done[tid] = row;
     }
-    __syncthreads();
-    __threadfence();
+    __syncthreads();  // after the completing tickets' acquires: every thread reads the rows
     for (int r = 0; r < rows; ++r) {
       const int32_t orow = done[r];
       if (orow < 0) continue;
@@ -489,51 +507,85 @@ struct GemmCta {
     }
   }
 
-  // Rows layout, gate/up GEMM: zero the fp32 accumulator rows that have a local expert
-  // before the down GEMM red.adds into them (grid-stride over all CTAs).
+  // Rows layout, gate/up GEMM, after its work: zero the fp32 accumulator rows that have a
+  // local expert before the down GEMM red.adds into them (CTA-stride over the rows; no
+  // division, and nothing before the first weight copy).
   __device__ void zero_active_rows() const {
-    const int64_t per_row = p.zero_cols / 4;
-    const int64_t n = static_cast<int64_t>(*p.num_active) * per_row;
-    for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < n;
-         i += static_cast<int64_t>(gridDim.x) * kThreads) {
-      const int64_t row = p.active_rows[i / per_row];
-      *reinterpret_cast<float4*>(p.zero_acc + row * p.zero_cols + (i % per_row) * 4) =
-          make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    const int32_t n = *p.num_active;
+    const int per_row = p.zero_cols / 4;
+    for (int32_t r = blockIdx.x; r < n; r += gridDim.x) {
+      float4* row = reinterpret_cast<float4*>(p.zero_acc +
+                                              static_cast<int64_t>(p.active_rows[r]) * p.zero_cols);
+      for (int c = threadIdx.x; c < per_row; c += kThreads)
+        row[c] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+  }
+
+  // Gate/up GEMM, after its work: the down projection's weights of the experts with tiles
+  // into L2 (tiles are grouped by expert; the first tile of each names it), 128-byte lines
+  // spread over every thread of the grid, until prefetch_max_bytes are asked for.
+  __device__ void prefetch_down_weights(int32_t tiles) const {
+    const auto* base = static_cast<const unsigned char*>(p.prefetch);
+    const int64_t lines = p.prefetch_expert_bytes / 128;
+    int64_t budget = p.prefetch_max_bytes / 128;
+    const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
+    // At most kPrefetchTiles tiles are looked at: a hint must not cost a long serial walk
+    // at the end of every CTA (many small experts at prefill).
+    const int32_t walk = tiles < kPrefetchTiles ? tiles : kPrefetchTiles;
+    for (int32_t t = 0; t < walk && budget > 0; ++t) {
+      const int32_t e = p.tiles[t * 4];
+      if (t > 0 && p.tiles[(t - 1) * 4] == e) continue;
+      const int64_t n = lines < budget ? lines : budget;
+      budget -= n;
+      const unsigned char* w = base + e * p.prefetch_expert_bytes;
+      for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < n;
+           i += stride)
+        prefetch_l2(w + i * 128);
     }
   }
 };
 
+// The work of one GEMM CTA (its stream-K range).
 template <typename T, int kBlockM, bool kZeros, bool kGroup32>
-__global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<kBlockM>)
-    moe_int4_gemm_kernel(const GemmParams p) {
-  grid_dependency_wait();  // routing, h and the accumulator come from earlier kernels
-  grid_dependency_launch();
-  using Cta = GemmCta<T, kBlockM, kZeros, kGroup32>;
-  Cta cta(p, dynamic_smem());
-  constexpr int kM = Cta::kMBlocks;
-  if (p.zero_acc != nullptr) cta.zero_active_rows();
-  const int64_t tiles = min(static_cast<int64_t>(*p.num_tiles), p.max_tiles);
+__device__ __forceinline__ void gemm_cta_work(const GemmParams& p,
+                                              GemmCta<T, kBlockM, kZeros, kGroup32>& cta,
+                                              int32_t tiles) {
+  constexpr int kM = GemmCta<T, kBlockM, kZeros, kGroup32>::kMBlocks;
   const int n_blocks = p.n_pad / kBlockN;
   const int k_tiles = p.k_pad / kBlockK;
-  const int64_t items = tiles * n_blocks;
+  const int32_t items = tiles * n_blocks;  // < 2^31 (check_args)
   if (items == 0) return;
   // Split items reduce through the workspace except in the red.add epilogue; without a
   // workspace (or split_k off) items stay whole. With a workspace, at most ws_items CTAs
   // take part, so every slot index (a CTA index) is inside it.
   const bool needs_ws = p.epilogue != Epilogue::kWeightedAtomic;
   const bool splittable = p.split_k && (!needs_ws || (p.split_ws != nullptr && p.ws_items > 0));
-  int64_t grid = gridDim.x;
-  if (splittable && needs_ws && grid > p.ws_items) grid = p.ws_items;
+  int32_t grid = static_cast<int32_t>(gridDim.x);
+  if (splittable && needs_ws && grid > p.ws_items) grid = static_cast<int32_t>(p.ws_items);
   const Partition pt = make_partition(items, k_tiles, grid, splittable);
-  const int64_t b = blockIdx.x;
+  const int32_t b = static_cast<int32_t>(blockIdx.x);
   if (b >= pt.ctas) return;
-  const int64_t u_end = pt.begin(b + 1);
-  for (int64_t u = pt.begin(b); u < u_end;) {
-    const int64_t item = u / k_tiles;
-    const int kb = static_cast<int>(u - item * k_tiles);
-    const int ke = static_cast<int>(min(static_cast<int64_t>(k_tiles), kb + (u_end - u)));
+  const int32_t u_end = pt.begin(b + 1);
+  for (int32_t u = pt.begin(b); u < u_end;) {
+    const int32_t item = u / k_tiles;
+    const int kb = u - item * k_tiles;
+    const int ke = min(k_tiles, kb + (u_end - u));
     u += ke - kb;
-    cta.start_item(p.tiles + (item / n_blocks) * 4, static_cast<int>(item % n_blocks), kb);
+    const int32_t tile = item / n_blocks;
+    cta.start_weights(p.tiles + tile * 4, item - tile * n_blocks, kb);
+
+    // Stage (kt - kb) % kStages holds k-tile kt. The prologue's weights go first, into the
+    // first commit group (the weights of stages 1 and 2 land no later than needed); the
+    // activation rows follow once pair_src has been read.
+#pragma unroll
+    for (int st = 0; st < kStages - 1; ++st)
+      if (kb + st < ke) cta.load_weights(st, kb + st);
+    cta.start_rows(kb);
+#pragma unroll
+    for (int st = 0; st < kStages - 1; ++st) {
+      if (kb + st < ke) cta.load_rows(st);
+      cp_async_commit();
+    }
 
     float acc[kM][8][4];
 #pragma unroll
@@ -543,15 +595,6 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<kBlockM>)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[mb][t][e] = 0.0f;
 
-    // Stage (kt - kb) % kStages holds k-tile kt.
-#pragma unroll
-    for (int st = 0; st < kStages - 1; ++st) {
-      if (kb + st < ke) {
-        cta.load_stage(st, kb + st);
-      } else {
-        cp_async_commit();
-      }
-    }
     int st_load = kStages - 1, st_use = 0;
     for (int kt = kb; kt < ke; ++kt) {
       cp_async_wait<kStages - 2>();  // stage st_use has landed (for this thread)
@@ -566,8 +609,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<kBlockM>)
       st_use = st_use == kStages - 1 ? 0 : st_use + 1;
     }
     cp_async_wait<0>();
-    const int64_t first = pt.owner(item * k_tiles);
-    const int64_t parts = pt.owner((item + 1) * k_tiles - 1) - first + 1;
+    const int32_t first = pt.owner(item * k_tiles);
+    const int32_t parts = pt.owner((item + 1) * k_tiles - 1) - first + 1;
     if (!needs_ws) {
       cta.epilogue(acc);
       if (p.row_cnt != nullptr) cta.finalise_rows(ke - kb);
@@ -576,6 +619,21 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<kBlockM>)
     }
     __syncthreads();  // the stages are reused by the next segment
   }
+}
+
+template <typename T, int kBlockM, bool kZeros, bool kGroup32>
+__global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<kBlockM>)
+    moe_int4_gemm_kernel(const GemmParams p) {
+  grid_dependency_wait();  // routing, h and the accumulator come from earlier kernels
+  grid_dependency_launch();
+  GemmCta<T, kBlockM, kZeros, kGroup32> cta(p, dynamic_smem());
+  const int64_t n_tiles = *p.num_tiles;
+  const int32_t tiles = static_cast<int32_t>(n_tiles < p.max_tiles ? n_tiles : p.max_tiles);
+  gemm_cta_work(p, cta, tiles);
+  // What the next kernel needs, after this CTA's weights have streamed: the down
+  // projection's weights in L2, its fp32 accumulator rows zeroed.
+  if (p.prefetch_max_bytes > 0 && p.prefetch != nullptr) cta.prefetch_down_weights(tiles);
+  if (p.zero_acc != nullptr) cta.zero_active_rows();
 }
 
 // Persistent grid of one launch: every CTA slot of the device (per_sm from the occupancy

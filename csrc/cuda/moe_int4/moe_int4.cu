@@ -29,7 +29,7 @@ void check_cuda(cudaError_t err, const char* what) {
 }
 
 struct DeviceInfo {
-  int num_sms = 0, smem_optin = 0, major = 0;
+  int num_sms = 0, smem_optin = 0, major = 0, l2_bytes = 0;
 };
 
 // Device attributes, queried once per device (they cannot change while the process runs).
@@ -48,6 +48,8 @@ DeviceInfo device_info(int device) {
                "querying the compute capability");
     check_cuda(cudaDeviceGetAttribute(&d.num_sms, cudaDevAttrMultiProcessorCount, device),
                "querying the SM count");
+    check_cuda(cudaDeviceGetAttribute(&d.l2_bytes, cudaDevAttrL2CacheSize, device),
+               "querying the L2 size");
   }
   return d;
 }
@@ -86,7 +88,9 @@ void run_typed(const MoeInt4Args& a, const LaunchContext& ctx) {
                   reinterpret_cast<const int32_t*>(a.status), a.max_tiles,
                   reinterpret_cast<const int32_t*>(a.pair_src), reinterpret_cast<T*>(a.x_perm_buf));
   }
-  for (const GemmParams& p : {gate_up_params(a), down_params(a)}) {
+  GemmParams g1 = gate_up_params(a);
+  g1.prefetch_max_bytes = ctx.l2_bytes / 2;  // room for the down weights and what else runs
+  for (const GemmParams& p : {g1, down_params(a)}) {
     if (a.block_m == 16) {
       gemm_m<T, 16>(p, ctx);
     } else {
@@ -126,6 +130,7 @@ void moe_int4_run(const MoeInt4Args& a) {
   ctx.device = a.device;
   ctx.num_sms = dev.num_sms;
   ctx.pdl = dev.major >= 9;
+  ctx.l2_bytes = dev.l2_bytes;
   ctx.stream = reinterpret_cast<cudaStream_t>(a.stream);
 
   auto* status = reinterpret_cast<int32_t*>(a.status);

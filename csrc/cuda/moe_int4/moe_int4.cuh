@@ -136,6 +136,12 @@ struct GemmParams {
   const int32_t* active_rows = nullptr;
   const int32_t* num_active = nullptr;
   int zero_cols = 0;
+  // After its work (the gate/up GEMM): prefetch into L2 the down projection's weights of
+  // the experts that have tiles, prefetch_expert_bytes from prefetch + e * that each, at
+  // most prefetch_max_bytes in all (0: none; the host gives half the L2).
+  const void* prefetch = nullptr;
+  int64_t prefetch_expert_bytes = 0;
+  int64_t prefetch_max_bytes = 0;
 };
 
 // Template parameters of one GEMM instantiation (gen/*.cu): what changes the hot loop.
@@ -153,7 +159,8 @@ inline GemmVariant gemm_variant(const GemmParams& p, int block_m) {
 struct LaunchContext {
   int device = 0;
   int num_sms = 0;
-  bool pdl = false;  // programmatic dependent launch (compute capability >= 9.0)
+  bool pdl = false;      // programmatic dependent launch (compute capability >= 9.0)
+  int64_t l2_bytes = 0;  // the device's L2 (the gate/up GEMM prefetches into half of it)
   cudaStream_t stream = nullptr;
 };
 
@@ -209,6 +216,8 @@ inline GemmParams gate_up_params(const MoeInt4Args& a) {
     g1.num_active = reinterpret_cast<const int32_t*>(a.status) + 2;
     g1.zero_cols = a.hidden;
   }
+  g1.prefetch = reinterpret_cast<const void*>(a.w2_qweight);
+  g1.prefetch_expert_bytes = static_cast<int64_t>(a.w2_k_pad / 16) * a.w2_n_pad * 8;  // layout.h
   return g1;
 }
 
@@ -232,6 +241,8 @@ inline GemmParams down_params(const MoeInt4Args& a) {
   g2.zero_acc = nullptr;
   g2.active_rows = nullptr;
   g2.num_active = nullptr;
+  g2.prefetch = nullptr;
+  g2.prefetch_expert_bytes = 0;
   if (a.expert_major) {
     g2.epilogue = Epilogue::kStore;  // split items reduce through the workspace
     g2.out = reinterpret_cast<void*>(a.out);

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <ios>
+#include <utility>
 
 #include "core/exception.h"
 #include "cuda/moe_int4/layout.h"
@@ -108,6 +109,15 @@ inline int64_t check_args(const MoeInt4Args& a) {
   const int64_t need_tiles = a.num_experts + pairs / a.block_m + 1;
   PA2A_CHECK_ARG(a.max_tiles >= need_tiles, "moe_int4: max_tiles=", a.max_tiles,
                  "; need >= num_experts + pairs / block_m + 1 = ", need_tiles);
+  // The GEMMs' stream-K partition is 32-bit: max_tiles * column blocks * k-tiles < 2^31
+  // (2^31 k-tiles are 16 TB of weights to stream: no real problem is near).
+  for (const auto& [n_pad, k_pad] : {std::pair<int, int>{a.w13_n_pad, a.w13_k_pad},
+                                     std::pair<int, int>{a.w2_n_pad, a.w2_k_pad}}) {
+    const int64_t per_tile = static_cast<int64_t>(n_pad / kPadN) * (k_pad / kPadK);
+    PA2A_CHECK_ARG(a.max_tiles <= ((int64_t{1} << 31) - 1) / per_tile,
+                   "moe_int4: max_tiles=", a.max_tiles, " with ", per_tile,
+                   " k-tiles per tile; allowed: max_tiles * ", per_tile, " < 2^31");
+  }
   return pairs;
 }
 

@@ -47,6 +47,23 @@ NEW_INSTR_PER_K_TILE = {16: 440, 64: 600}
 NEW_REGS = {16: 128, 64: 255}
 OLD_INSTR_PER_K_TILE = {16: 940, 64: 1400}  # the review's count (issue 12) and scaled
 OLD_REGS = {16: 128, 64: 251}  # old SASS: 119-128, 240-251
+# Async copies (cp.async) per thread and k-tile: activation chunks, 4 weight rows, 1 scale
+# (or zero point) row; scripts/sass_report.py --check counts them in the compiled loop.
+COPIES_PER_K_TILE = {bm: bm * 8 // THREADS + BLOCK_K // 16 + 1 for bm in (16, 64)}
+# Fixed cost of one GEMM launch, from the compiled code (scripts/sass_report.py reports
+# them per instantiation; tests/test_moe_int4_sass.py checks the compiled kernels stay
+# within these): the static instructions from the entry to the first weight copy (also the
+# --check budget), the chain of dependent global loads that copy's address waits for
+# (num_tiles -> the tile's expert: 2; the report's count is an upper bound, 3 on some), and the tails' serial round trips (the ticket RMW with
+# release/acquire, then the re-read of the sums or of the accumulator row).
+PROLOGUE_INSTR = 500
+PROLOGUE_DEPENDENT_LOADS = 3
+TAIL_ROUND_TRIPS = 2
+# The schedule kernel (one CTA, schedule.cuh): reads of the routing (count, scatter) and the
+# writes the GEMMs then read, plus the one-thread prefix sum over the experts.
+SCHEDULE_ROUND_TRIPS = 4
+SCHEDULE_CYCLES_PER_EXPERT = 40
+LAUNCHES = 3  # schedule, gate/up, down (act-order adds the permute)
 
 
 def smem_bytes(block_m: int) -> int:
@@ -80,14 +97,16 @@ class Gpu:
     bw_gbs: float  # spec DRAM bandwidth
     clock_ghz: float  # sustained SM clock under load (estimate)
     latency_us: float  # DRAM latency under load (estimate)
+    l2_mb: int = 50  # L2 size (the gate/up GEMM prefetches the down weights into half)
+    l2_latency_us: float = 0.3  # a load that hits L2 (data the previous kernel wrote)
 
 
 GPUS = {
-    "rtx_pro_6000": Gpu("RTX PRO 6000", "sm_120", 188, 1792.0, 2.4, 0.8),
-    "rtx_5090": Gpu("RTX 5090", "sm_120", 170, 1792.0, 2.4, 0.8),
-    "rtx_4090": Gpu("RTX 4090", "sm_89", 128, 1008.0, 2.5, 0.8),
-    "l40s": Gpu("L40S", "sm_89", 142, 864.0, 2.4, 0.8),
-    "h200": Gpu("H200", "sm_90", 132, 4800.0, 1.8, 0.7),
+    "rtx_pro_6000": Gpu("RTX PRO 6000", "sm_120", 188, 1792.0, 2.4, 0.8, 128),
+    "rtx_5090": Gpu("RTX 5090", "sm_120", 170, 1792.0, 2.4, 0.8, 96),
+    "rtx_4090": Gpu("RTX 4090", "sm_89", 128, 1008.0, 2.5, 0.8, 72),
+    "l40s": Gpu("L40S", "sm_89", 142, 864.0, 2.4, 0.8, 96),
+    "h200": Gpu("H200", "sm_90", 132, 4800.0, 1.8, 0.7, 50),
 }
 
 
@@ -246,6 +265,20 @@ def _gemm(
     return plan
 
 
+def gemm_fixed_us(gpu: Gpu) -> float:
+    """One GEMM launch's fixed cost: the dependent loads and instructions before a CTA's
+    first weight copy, and its tail's round trips (all on data in L2)."""
+    issue = PROLOGUE_INSTR / (gpu.clock_ghz * 1e3)  # one warp, one instruction a cycle
+    return (PROLOGUE_DEPENDENT_LOADS + TAIL_ROUND_TRIPS) * gpu.l2_latency_us + issue
+
+
+def schedule_us(gpu: Gpu, experts: int) -> float:
+    """The one-CTA schedule kernel: its round trips and the serial prefix over the experts."""
+    return SCHEDULE_ROUND_TRIPS * gpu.l2_latency_us + experts * SCHEDULE_CYCLES_PER_EXPERT / (
+        gpu.clock_ghz * 1e3
+    )
+
+
 def predict(
     gpu_name: str,
     active_experts: int,
@@ -286,7 +319,14 @@ def predict(
     active_rows = min(rows, pairs)
     if policy == "new":
         launch = 1.0 if gpu.arch != "sm_89" else 2.5  # PDL hides most of the gap
-        fixed = 3 * launch + active_rows * h * (4 + 4 + 2) / bw  # zero, finalise r/w
+        fixed = LAUNCHES * launch + schedule_us(gpu, shape.local_experts) + 2 * gemm_fixed_us(gpu)
+        fixed += active_rows * h * (4 + 4 + 2) / bw  # zero, finalise r/w
+        # The gate/up CTAs prefetch the down weights into L2 as they finish: the gap to the
+        # down GEMM's first copies (launch, prologue) streams them, if they fit.
+        down_bytes = active_experts * shape.w_bytes(h, i)
+        if down_bytes <= gpu.l2_mb * 2**20 / 2:
+            fixed -= min(launch + gemm_fixed_us(gpu), dn.time_us)
+            notes.append("down weights prefetched into L2 across the launch gap")
     else:
         launch = 2.5
         ws = 2 * gpu.sms * 16 * 256 * 4 if bm == 16 else 0

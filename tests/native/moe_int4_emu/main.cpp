@@ -5,7 +5,7 @@
 // DIR/args.txt    one MoeInt4Args field per line: "name integer", "name @buffer" or
 //                 "name @buffer+offset" (a view `offset` bytes into the buffer)
 // DIR/device.txt  "num_sms N", "per_sm N" (CTAs per SM, as the occupancy API would say),
-//                 "smem_optin BYTES"
+//                 "smem_optin BYTES", "l2_bytes BYTES" (default 1 MiB)
 // DIR/<buffer>.bin  initial contents of every buffer named in args.txt
 // Writes DIR/<buffer>.out.bin for every buffer after the launch sequence. Exit status 0 on
 // success, 1 when moe_int4's argument checks reject the arguments (message on stderr),
@@ -172,7 +172,7 @@ void gemm_m(const mi::GemmParams& p, int num_sms, int per_sm) {
 }
 
 template <typename T>
-void run_typed(const mi::MoeInt4Args& a, int num_sms, int per_sm) {
+void run_typed(const mi::MoeInt4Args& a, int num_sms, int per_sm, int64_t l2_bytes) {
   if (a.x_perm != 0) {
     const int64_t grid = a.max_tiles < 4L * num_sms ? a.max_tiles : 4L * num_sms;
     emu::launch(static_cast<unsigned>(grid), 256, 0, [&] {
@@ -184,7 +184,9 @@ void run_typed(const mi::MoeInt4Args& a, int num_sms, int per_sm) {
                                  reinterpret_cast<T*>(a.x_perm_buf));
     });
   }
-  for (const mi::GemmParams& p : {mi::gate_up_params(a), mi::down_params(a)}) {
+  mi::GemmParams g1 = mi::gate_up_params(a);
+  g1.prefetch_max_bytes = l2_bytes / 2;
+  for (const mi::GemmParams& p : {g1, mi::down_params(a)}) {
     if (a.block_m == 16) {
       gemm_m<T, 16>(p, num_sms, per_sm);
     } else {
@@ -193,7 +195,7 @@ void run_typed(const mi::MoeInt4Args& a, int num_sms, int per_sm) {
   }
 }
 
-void run(const mi::MoeInt4Args& a, int num_sms, int per_sm, int smem_optin) {
+void run(const mi::MoeInt4Args& a, int num_sms, int per_sm, int smem_optin, int64_t l2_bytes) {
   const int64_t pairs = mi::check_args(a);
   const int smem =
       a.block_m == 16 ? mi::SmemLayout<16>::kBytes : mi::SmemLayout<64>::kBytes;  // gemm_smem_bytes
@@ -221,9 +223,9 @@ void run(const mi::MoeInt4Args& a, int num_sms, int per_sm, int smem_optin) {
     });
   }
   if (a.dtype == 0) {
-    run_typed<__nv_bfloat16>(a, num_sms, per_sm);
+    run_typed<__nv_bfloat16>(a, num_sms, per_sm, l2_bytes);
   } else {
-    run_typed<__half>(a, num_sms, per_sm);
+    run_typed<__half>(a, num_sms, per_sm, l2_bytes);
   }
 }
 
@@ -235,7 +237,8 @@ int main(int argc, char** argv) {
     return 2;
   }
   g_dir = argv[1];
-  std::map<std::string, int64_t> dev{{"num_sms", 4}, {"per_sm", 1}, {"smem_optin", 101376}};
+  std::map<std::string, int64_t> dev{
+      {"num_sms", 4}, {"per_sm", 1}, {"smem_optin", 101376}, {"l2_bytes", 1 << 20}};
   {
     std::ifstream in(g_dir + "/device.txt");
     std::string k;
@@ -245,7 +248,7 @@ int main(int argc, char** argv) {
   const mi::MoeInt4Args a = read_args();
   try {
     run(a, static_cast<int>(dev["num_sms"]), static_cast<int>(dev["per_sm"]),
-        static_cast<int>(dev["smem_optin"]));
+        static_cast<int>(dev["smem_optin"]), dev["l2_bytes"]);
   } catch (const pa2a::Error& e) {
     std::fprintf(stderr, "moe_int4 rejected the arguments: %s\n", e.what());
     return 1;

@@ -13,6 +13,8 @@
 //    at once (as the hardware does) and every lane takes its registers from that copy.
 //  * prmt, fma2 (computed exactly in double, rounded once to the 16-bit type) and
 //    griddepcontrol.wait / launch_dependents (no-ops: launches run one after the other).
+//  * atom.acq_rel (an atomicAdd: the model is sequentially consistent) and prefetch.L2 (no
+//    effect; the line must lie in a registered global buffer, so a wrong address fails).
 //  * mma.sync.m16n8k16: warp-collective; each lane publishes its fragment registers and
 //    reads the others', placed by the PTX ISA fragment tables (written here from the ISA,
 //    not from the kernel or the packer). fp32 accumulation.
@@ -182,6 +184,14 @@ inline void cp_async_wait() {
     emu_int4::complete(f.inflight.front());
     f.inflight.pop_front();
   }
+}
+
+inline int32_t atomic_add_acq_rel(int32_t* p, int32_t v) {
+  return atomicAdd(p, v);
+}
+
+inline void prefetch_l2(const void* p) {
+  emu::check_global(p, 1, "prefetch.global.L2");
 }
 
 namespace emu_detail {
