@@ -82,6 +82,7 @@ def _fused_moe_init(result: Any, self: Any, *args: Any, **kwargs: Any) -> None:
         # The combine already returned complete sums: an all-reduce would add the outputs
         # of *different* tokens from other DP ranks (or hang on mismatched sizes).
         self.reduce_results = False
+        self.dispatcher.bind_layer(self)  # decode: INT4 layers take the expert-major layout
     return None
 
 
