@@ -293,9 +293,16 @@ def _fake_vllm_config(overrides: dict):
     )
 
 
-def _launch_worker(rank: int, world: int) -> dict:
+def _launch_worker(rank: int, world: int, platform: str = "here") -> dict:
+    import vllm.platforms
+
     from pcie_a2a.integrations.vllm import launch
 
+    if platform == "cuda":  # a simulated CUDA platform: what vLLM resolves on a GPU box
+        vllm.platforms._current_platform = _NS(is_cuda=lambda: True, is_cpu=lambda: False)
+    elif platform == "cuda_backend_cpu":
+        vllm.platforms._current_platform = _NS(is_cuda=lambda: True, is_cpu=lambda: False)
+        os.environ["PCIE_A2A_BACKEND"] = "cpu"
     out = {}
     for name, overrides, _ in LAUNCH_CASES:
         cfg = _fake_vllm_config(overrides)
@@ -321,6 +328,17 @@ def test_launch_resolve_refuses_and_turns_graphs_off():
         else:
             assert want in got.get("error", ""), (name, got)
             assert "PCIE_A2A_VLLM" in got["error"], got
+
+
+def test_launch_keeps_cuda_graphs_on_the_cuda_path():
+    """On a (simulated) CUDA platform graphs stay as vLLM resolves them, an explicit mode
+    included; PCIE_A2A_BACKEND=cpu turns them off again."""
+    (gpu,) = run_ok(1, _launch_worker, "cuda", timeout=240)
+    assert gpu["dp2_ep"].get("mode") is None and "error" not in gpu["dp2_ep"], gpu["dp2_ep"]
+    assert gpu["explicit_graphs"].get("mode") == "FULL", gpu["explicit_graphs"]
+    assert "--enable-dbo" in gpu["dbo"]["error"] and "one call in flight" in gpu["dbo"]["error"]
+    (cpu,) = run_ok(1, _launch_worker, "cuda_backend_cpu", timeout=240)
+    assert cpu["dp2_ep"].get("mode") == "NONE", cpu["dp2_ep"]
 
 
 # ---- the prepare/finalize contract -------------------------------------------------------
