@@ -170,15 +170,14 @@ def _sglang_graph(hooks, disp, layer, ex) -> list:
     hooks.begin_capture(stream)
     out = disp.dispatch(x, topk)
     g_dispatch = hooks.end_capture(stream)
+    held = list(disp._pending)  # what the captured kernels write stays alive (graph pool)
     y_in = torch.zeros_like(out.hidden_states)
     hooks.begin_capture(stream)
     y = disp.combine(DeepEPLLCombineInput(y_in, out.topk_ids, out.topk_weights))
     g_combine = hooks.end_capture(stream)
     replays = []
-    for step in (3, 4):  # same token count as the capture, new tokens and new routing
+    for step in (3, 6):  # the captured token count, new tokens and new routing
         nx, nids, nw = _inputs(step)
-        if nx.shape[0] != x.shape[0]:
-            nx, nids, nw = nx[: x.shape[0]], nids[: x.shape[0]], nw[: x.shape[0]]
         x.copy_(nx)
         ids.copy_(nids)
         w.copy_(nw)
@@ -189,6 +188,7 @@ def _sglang_graph(hooks, disp, layer, ex) -> list:
         replays.append((y.float().clone(), _reference(ex, nx, nids, nw)))
     hooks.destroy_graph(g_dispatch)
     hooks.destroy_graph(g_combine)
+    del held
     return replays
 
 

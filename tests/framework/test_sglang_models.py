@@ -313,6 +313,10 @@ RESOLVE_CASES = [
     ("qwen3_moe", [*EPLB_OURS, "--enable-eplb"], {}, None),
     ("qwen3_moe_int4", ["--ep-num-redundant-experts", "4"], {}, None),
     ("qwen3_moe_int4", [*EPLB_OURS, "--enable-eplb"], {}, "--enable-eplb with this compressed"),
+    # a GPU server as SGLang resolves it (--device cuda on this CPU box): decode graphs
+    # stay on; PCIE_A2A_BACKEND=cpu turns them off again
+    ("qwen3_moe", ["--device", "cuda"], {}, None),
+    ("qwen3_moe", ["--device", "cuda"], {"PCIE_A2A_BACKEND": "cpu"}, None),
 ]
 
 
@@ -378,3 +382,8 @@ def test_launch_refusals_name_the_flag(resolve_root):
     placed = "\n".join(eplb[(*EPLB_OURS, "--enable-eplb")]["lines"])
     assert "4 redundant experts" in placed and "EPLB on, --eplb-algorithm pcie_a2a" in placed
     assert "expert placement" not in text
+    gpu, gpu_cpu = results[-2], results[-1]
+    assert gpu["graphs"] == (False, True), gpu  # (decode disabled, prefill disabled)
+    assert any("decode CUDA graphs stay on" in line for line in gpu["lines"]), gpu
+    assert gpu_cpu["graphs"] == (True, True), gpu_cpu
+    assert any("CUDA graphs are disabled" in line for line in gpu_cpu["lines"]), gpu_cpu

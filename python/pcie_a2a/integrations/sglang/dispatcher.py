@@ -267,7 +267,7 @@ class PcieA2ADispatcher(BaseDispatcher):
             # the combine applies the weights on the expert-major path
             weights = expert_major_weights(int4, weights)
         res = _common.dispatch(buf, x, ids, weights.contiguous(), layout=layout)
-        self._pending.append(_Open(buf, res.handle, layout, device, dtype))
+        self._pending.append(_Open(buf, res, layout, device, dtype))
         return self._output(buf, res, layout, device, x.shape[0])
 
     def _output(self, buf, res, layout: str | None, device, num_tokens: int):
@@ -325,11 +325,11 @@ class PcieA2ADispatcher(BaseDispatcher):
         y = _common.stage_in(buf, combine_input.hidden_states, "combine hidden_states")
         y = y.to(buf.dtype).contiguous()
         if op.layout is None:
-            out = buf.combine(y, op.handle)
+            out = buf.combine(y, op.result.handle)
         else:
             if op.layout == "rows":
                 y = y.view(buf.world, buf.max_tokens_per_rank, y.shape[-1])
-            out = buf.low_latency_combine(y, op.handle)
+            out = buf.low_latency_combine(y, op.result.handle)
         return _common.stage_out(buf, out, op.device).to(op.dtype)
 
     # ---- split API used by two-batch overlap and models' op lists ----------------------
@@ -360,10 +360,12 @@ class PcieA2ADispatcher(BaseDispatcher):
 
 @dataclass
 class _Open:
-    """A dispatch waiting for its combine."""
+    """A dispatch waiting for its combine. It holds the whole result, not only the handle:
+    under CUDA-graph capture every tensor the dispatch's kernels wrote must live until the
+    combine has been captured too."""
 
     buffer: Any
-    handle: Any
+    result: Any
     layout: str | None  # None: normal mode
     device: torch.device
     dtype: torch.dtype
