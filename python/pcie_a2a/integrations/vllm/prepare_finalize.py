@@ -392,14 +392,14 @@ class PcieA2APrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         if quantize and not defer_input_quant and rx.numel():
             rx, scale = quantize_input(rx, quant_config)
         counts = _common.stage_out(buf, res.tokens_per_expert, device)
-        if device.type == "cpu":  # make_from_list pins host memory, which needs a GPU
+        if _common.device_resident(buf):
+            # counts stay on the device (no host copy: capturable)
+            meta = mk.ExpertTokensMetadata(expert_num_tokens=counts, expert_num_tokens_cpu=None)
+        elif device.type == "cpu":  # make_from_list pins host memory, which needs a GPU
             counts = counts.to(torch.int32)
             meta = mk.ExpertTokensMetadata(
                 expert_num_tokens=counts, expert_num_tokens_cpu=counts.clone()
             )
-        elif low_latency or _common.device_resident(buf):
-            # counts stay on the device (no host copy: capturable)
-            meta = mk.ExpertTokensMetadata(expert_num_tokens=counts, expert_num_tokens_cpu=None)
         else:
             meta = mk.ExpertTokensMetadata.make_from_list(res.tokens_per_expert_list, device=device)
         return (
