@@ -275,6 +275,7 @@ def test_plugin_loads_through_entry_point_and_parses():
 
 # ---- dispatch / combine against a dense reference ------------------------------------------
 def _dispatch_worker(rank: int, world: int, fmt: str, split: bool) -> dict:
+    from sglang.srt.layers.dp_attention import set_is_extend_in_batch
 
     _load_plugins()
     _use_backend("pcie")
@@ -300,7 +301,10 @@ def _dispatch_worker(rank: int, world: int, fmt: str, split: bool) -> dict:
     disp = _validated_dispatcher(moe_layer, cfg)
     results = []
     try:
-        for step in range(2):  # two layers' worth through the shared Buffer
+        # extend (normal mode) then decode (low-latency), two layers' worth each
+        for step in range(4):
+            extend = step < 2
+            set_is_extend_in_batch(extend)
             x, ids, w, w13, w2 = moe_problem(rank, world, num_experts, top_k, hidden, step)
             topk = StandardTopKOutput(topk_weights=w, topk_ids=ids, router_logits=None)
             if split:
@@ -318,7 +322,7 @@ def _dispatch_worker(rank: int, world: int, fmt: str, split: bool) -> dict:
                 assert ids_l.numel() == 0 or int(ids_l.max()) < e_local
                 y = expert_forward(out.hidden_states, ids_l, t.topk_weights, lw13, lw2)
                 cin = StandardCombineInput(hidden_states=y)
-            elif fmt == "deepep_normal":
+            elif fmt == "deepep_normal" and extend:
                 assert DispatchOutputChecker.format_is_deepep_normal(out)
                 assert sum(out.num_recv_tokens_per_expert) == int((out.topk_ids >= 0).sum())
                 y = expert_forward(out.hidden_states, out.topk_ids, out.topk_weights, lw13, lw2)
@@ -326,6 +330,7 @@ def _dispatch_worker(rank: int, world: int, fmt: str, split: bool) -> dict:
             else:
                 assert DispatchOutputChecker.format_is_deepep_ll(out)
                 assert out.hidden_states.shape[0] == e_local
+                assert out.masked_m.device == x.device and out.masked_m.shape == (e_local,)
                 y = expert_forward_expert_major(out.hidden_states, out.masked_m, lw13, lw2)
                 cin = DeepEPLLCombineInput(y, out.topk_ids, out.topk_weights)
             assert isinstance(cin, CombineInput)
@@ -338,7 +343,7 @@ def _dispatch_worker(rank: int, world: int, fmt: str, split: bool) -> dict:
             assert got.shape == x.shape and got.dtype == x.dtype
             err = (got.float() - want).abs().max().item() if x.shape[0] else 0.0
             scale = want.abs().max().item() if x.shape[0] else 1.0
-            results.append((x.shape[0], err, scale))
+            results.append((x.shape[0], err, scale, "extend" if extend else "decode"))
     finally:
         _common.close_buffers()
     return {"results": results}
@@ -356,9 +361,9 @@ def _dispatch_worker(rank: int, world: int, fmt: str, split: bool) -> dict:
 def test_dispatch_combine_matches_dense_moe(world, fmt, split):
     outs = run_ok(world, _dispatch_worker, fmt, split, timeout=300)
     for rank, res in enumerate(outs):
-        for tokens, err, scale in res["results"]:
-            assert err <= 0.02 * max(scale, 1e-3) + 1e-2, (rank, tokens, err, scale)
-    assert any(t == 0 for r in outs for t, _, _ in r["results"]) or world < 3
+        for tokens, err, scale, mode in res["results"]:
+            assert err <= 0.02 * max(scale, 1e-3) + 1e-2, (rank, tokens, err, scale, mode)
+    assert any(t == 0 for r in outs for t, *_ in r["results"]) or world < 3
 
 
 def test_version_gate_messages():

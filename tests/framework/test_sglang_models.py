@@ -324,6 +324,10 @@ RESOLVE_CASES = [
     ("glm4_moe", [], {"PCIE_A2A_SGLANG_FORMAT": "deepep_ll"}, "routed_scaling_factor=2.5"),
     ("qwen3_moe", [], {"PCIE_A2A_SGLANG_FORMAT": "deepep_normal"}, None),  # no factor
     ("qwen3_moe_int4", [], {"PCIE_A2A_SGLANG_FORMAT": "deepep_ll"}, "with this compressed"),
+    # a GPU server as SGLang resolves it (--device cuda on this CPU box): decode graphs
+    # stay on; PCIE_A2A_BACKEND=cpu turns them off again
+    ("qwen3_moe", ["--device", "cuda"], {}, None),
+    ("qwen3_moe", ["--device", "cuda"], {"PCIE_A2A_BACKEND": "cpu"}, None),
 ]
 
 
@@ -389,3 +393,8 @@ def test_launch_refusals_name_the_flag(resolve_root):
     placed = "\n".join(eplb[(*EPLB_OURS, "--enable-eplb")]["lines"])
     assert "4 redundant experts" in placed and "EPLB on, --eplb-algorithm pcie_a2a" in placed
     assert "expert placement" not in text
+    gpu, gpu_cpu = results[-2], results[-1]
+    assert gpu["graphs"] == (False, True), gpu  # (decode disabled, prefill disabled)
+    assert any("decode CUDA graphs stay on" in line for line in gpu["lines"]), gpu
+    assert gpu_cpu["graphs"] == (True, True), gpu_cpu
+    assert any("CUDA graphs are disabled" in line for line in gpu_cpu["lines"]), gpu_cpu

@@ -351,6 +351,53 @@ def _launch_worker(rank: int, world: int, root: str) -> dict:
     return out
 
 
+# vLLM's CUDA platform cannot be simulated under a real VllmConfig on this CPU-only vLLM (its
+# __post_init__ asks the platform for much more), so the CUDA-path resolution runs on the
+# config fields resolve() reads, under a stand-in platform that says "CUDA".
+_PLATFORM_FIELDS = (
+    "data_parallel_size", "enable_expert_parallel", "all2all_backend", "enable_eplb",
+    "enable_elastic_ep", "use_ubatching", "tensor_parallel_size", "prefill_context_parallel_size",
+)  # fmt: skip
+
+
+def _platform_config(overrides: dict):
+    from vllm.config import CUDAGraphMode
+
+    o = dict(is_moe=True, enforce_eager=False, data_parallel_size=2, enable_expert_parallel=True,
+             all2all_backend="allgather_reducescatter", enable_eplb=False, enable_elastic_ep=False,
+             use_ubatching=False, tensor_parallel_size=1, prefill_context_parallel_size=1,
+             cudagraph_mode=None)  # fmt: skip
+    o.update(overrides)
+    mode = o["cudagraph_mode"]
+    return _NS(
+        model_config=_NS(is_moe=o["is_moe"], enforce_eager=o["enforce_eager"]),
+        parallel_config=_NS(**{k: o[k] for k in _PLATFORM_FIELDS}),
+        compilation_config=_NS(cudagraph_mode=None if mode is None else CUDAGraphMode[mode]),
+    )
+
+
+def _platform_worker(rank: int, world: int, platform: str) -> dict:
+    import vllm.platforms
+
+    from pcie_a2a.integrations.vllm import launch
+
+    vllm.platforms._current_platform = _NS(is_cuda=lambda: True, is_cpu=lambda: False)
+    if platform == "cuda_backend_cpu":
+        os.environ["PCIE_A2A_BACKEND"] = "cpu"
+    out = {}
+    for name, overrides in (("dp2_ep", {}), ("explicit_graphs", {"cudagraph_mode": "FULL"}),
+                            ("dbo", {"use_ubatching": True})):  # fmt: skip
+        cfg = _platform_config(overrides)
+        cap = _capture()
+        try:
+            launch.resolve(cfg)
+            mode = cfg.compilation_config.cudagraph_mode
+            out[name] = {"mode": None if mode is None else mode.name, "log": cap.lines}
+        except ValueError as exc:
+            out[name] = {"error": str(exc)}
+    return out
+
+
 @pytest.fixture(scope="module")
 def vllm_models(tmp_path_factory):
     import json
@@ -381,6 +428,17 @@ def test_launch_resolve_on_real_vllm_config(vllm_models):
         else:
             assert want in got.get("error", ""), (name, got)
             assert "PCIE_A2A_VLLM" in got["error"], got
+
+
+def test_launch_keeps_cuda_graphs_on_the_cuda_path():
+    """On a (simulated) CUDA platform graphs stay as vLLM resolves them, an explicit mode
+    included; PCIE_A2A_BACKEND=cpu turns them off again."""
+    (gpu,) = run_ok(1, _platform_worker, "cuda", timeout=240)
+    assert gpu["dp2_ep"].get("mode") is None and "error" not in gpu["dp2_ep"], gpu["dp2_ep"]
+    assert gpu["explicit_graphs"].get("mode") == "FULL", gpu["explicit_graphs"]
+    assert "--enable-dbo" in gpu["dbo"]["error"] and "one call in flight" in gpu["dbo"]["error"]
+    (cpu,) = run_ok(1, _platform_worker, "cuda_backend_cpu", timeout=240)
+    assert cpu["dp2_ep"].get("mode") == "NONE", cpu["dp2_ep"]
 
 
 # ---- the prepare/finalize contract -------------------------------------------------------

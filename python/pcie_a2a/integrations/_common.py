@@ -1,5 +1,13 @@
 """Framework-independent pieces shared by the SGLang and vLLM adapters: version gates,
-the per-process Buffer cache and host staging for tensors the Buffer backend cannot take."""
+the per-process Buffer cache, and the one decision of where tokens move.
+
+:func:`device_resident` is that decision. A device-resident Buffer (the CUDA transport)
+takes the framework's tensors where they are and returns rows on the same device: no
+``.cpu()``, no ``.to(device)``, and its low-latency calls never read the device from the
+host. Otherwise (the CPU transport: CPU servers, ``PCIE_A2A_BACKEND=cpu``) the adapters
+stage device tensors through host memory with :func:`to_host` and copy the results back:
+four blocking device-host copies per MoE call, the cost docs/sglang.md and docs/vllm.md
+state."""
 
 from __future__ import annotations
 
@@ -117,19 +125,41 @@ def close_buffers() -> None:
 _WARNED: set[str] = set()
 
 
+def device_resident(buf: Buffer) -> bool:
+    """Whether ``buf`` moves the framework's tensors where they are (the CUDA transport:
+    rows stay on the device, low-latency calls never synchronise with the host) or only
+    host tensors (the CPU transport). The adapters branch on this and nothing else."""
+    flag = getattr(buf, "device_resident", None)  # the Buffer's own answer, where it has one
+    if flag is None:
+        flag = bool(getattr(buf._transport, "device_side", False))
+    return bool(flag)
+
+
 def to_host(t: torch.Tensor | None, what: str) -> torch.Tensor | None:
-    """The Buffer in this release moves CPU tensors only: device tensors are staged through
-    host memory (correct, slow; warns once per process)."""
+    """Host staging for a Buffer that is not :func:`device_resident`: device tensors go
+    through host memory (correct, slow: a blocking copy each way; warns once per process)."""
     if t is None or t.device.type == "cpu":
         return t
     if what not in _WARNED:
         _WARNED.add(what)
         warnings.warn(
-            f"pcie_a2a: {what} is on {t.device}; this build moves tokens through host "
-            "memory (the CUDA transport is not part of this release), which is slow",
+            f"pcie_a2a: {what} is on {t.device} but the Buffer runs the CPU transport "
+            "(PCIE_A2A_BACKEND=cpu or a CPU build): tokens are staged through host memory, "
+            "which is slow",
             stacklevel=3,
         )
     return t.cpu()
+
+
+def stage_in(buf: Buffer, t: torch.Tensor | None, what: str) -> torch.Tensor | None:
+    """``t`` as ``buf`` takes it: as it is on a device-resident Buffer, else on the host."""
+    return t if device_resident(buf) else to_host(t, what)
+
+
+def stage_out(buf: Buffer, t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A result of ``buf`` where the framework wants it: as it is on a device-resident
+    Buffer (already there), else copied back from the host."""
+    return t if device_resident(buf) else t.to(device)
 
 
 def check_topk_ids_width(num_topk: int, got: int, framework: str) -> None:

@@ -158,53 +158,117 @@ def choose_block_m(rows_per_expert: float | None = None, zero_points: bool = Fal
 
 
 class Workspace:
-    """Scratch that outlives one call, per (device, stream): the split-K workspace and its
-    tickets, the finalise tickets (all zero between calls: the kernels leave them zero) and
-    the sticky invalid-id flag (host-visible: pinned host memory on CUDA).
+    """Scratch that outlives one call: the split-K workspace and its tickets, the finalise
+    tickets (all zero between calls: the kernels leave them zero) and the sticky invalid-id
+    flag (host-visible: pinned host memory on CUDA).
 
-    Buffers only grow; growing allocates zeroed memory (inside a CUDA-graph capture that
-    zeroing is part of the graph, so a replay finds them zero as well).
+    Buffers only grow, and only outside a CUDA-graph capture: growing allocates zeroed
+    memory, which inside a capture would become part of the graph (every replay zeroing
+    it again). The buffer a growth replaces is kept (``retired``), never freed: a graph
+    captured earlier still points at it. Under a capture a buffer too small raises
+    (:func:`reserve_graph_workspace` sizes them first).
     """
 
-    def __init__(self, zeros, errors: torch.Tensor):
+    def __init__(self, zeros, errors: torch.Tensor, capturing=lambda: False, mirror=None):
         self._zeros = zeros
         self._bufs: dict[str, torch.Tensor] = {}
         self.errors = errors
+        self.retired: list[torch.Tensor] = []
+        self._capturing = capturing
+        # eager calls size the device's graph workspace too, so a capture after any eager
+        # call of the same shapes finds it ready
+        self._mirror = mirror
 
     def get(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        if self._mirror is not None:
+            self._mirror.get(name, numel, dtype)
         t = self._bufs.get(name)
         if t is None or t.numel() < numel:
+            if self._capturing():
+                raise RuntimeError(
+                    f"moe_int4_mlp: its workspace {name!r} needs {numel} elements inside a "
+                    "CUDA-graph capture but holds "
+                    f"{0 if t is None else t.numel()}; allocating (and zeroing) it there would "
+                    "put that work in every replay. Run one eager call of the largest captured "
+                    "shape on this device first (the frameworks' warm-up does), or call "
+                    "pcie_a2a.quant.moe.reserve_graph_workspace before capturing"
+                )
+            if t is not None:
+                self.retired.append(t)  # an earlier graph may still point at it
             t = self._zeros(max(numel, 1), dtype=dtype)
             self._bufs[name] = t
         return t
 
 
 _WORKSPACES: dict[tuple[int, int], Workspace] = {}
+_GRAPH_WORKSPACES: dict[int, Workspace] = {}
 _ERROR_FLAGS: dict[int, torch.Tensor] = {}
 
 
 def _error_flag(dev: torch.device) -> torch.Tensor:
     """The device's invalid-id flag: pinned host memory the kernel writes (host-visible
-    without a sync). Pinned allocation is not allowed inside a CUDA-graph capture: a
-    capture before any eager call gets a device flag (ids are still skipped, the report
-    then needs check_routing_errors)."""
+    without a sync), made at the first eager call (pinned allocation is not allowed
+    inside a CUDA-graph capture)."""
     flag = _ERROR_FLAGS.get(dev.index)
     if flag is None:
-        if torch.cuda.is_current_stream_capturing():
-            return torch.zeros(1, dtype=torch.int32, device=dev)
         flag = torch.zeros(1, dtype=torch.int32, pin_memory=True)
         _ERROR_FLAGS[dev.index] = flag
     return flag
 
 
+def _new_workspace(dev: torch.device, mirror: Workspace | None = None) -> Workspace:
+    zeros = lambda *s, dtype: torch.zeros(*s, dtype=dtype, device=dev)  # noqa: E731
+    return Workspace(zeros, _error_flag(dev), torch.cuda.is_current_stream_capturing, mirror)
+
+
+def _graph_workspace(dev: torch.device) -> Workspace:
+    ws = _GRAPH_WORKSPACES.get(dev.index)
+    if ws is None:
+        ws = _GRAPH_WORKSPACES[dev.index] = _new_workspace(dev)
+    return ws
+
+
 def _cuda_workspace(dev: torch.device, stream: torch.cuda.Stream) -> Workspace:
+    """Eager calls: one workspace per (device, stream), so calls on two streams never share
+    split-K slots. Captured calls: the device's graph workspace (one graph replays at a
+    time on a device, as the frameworks replay them), sized by the eager calls before."""
+    if torch.cuda.is_current_stream_capturing():
+        ws = _GRAPH_WORKSPACES.get(dev.index)
+        if ws is None:
+            raise RuntimeError(
+                "moe_int4_mlp: first call on this device inside a CUDA-graph capture; its "
+                "workspace would be allocated and zeroed in the graph. Run one eager call of "
+                "the captured shape first (the frameworks' warm-up does), or call "
+                "pcie_a2a.quant.moe.reserve_graph_workspace before capturing"
+            )
+        return ws
     key = (dev.index, stream.cuda_stream)
     ws = _WORKSPACES.get(key)
     if ws is None:
-        zeros = lambda *s, dtype: torch.zeros(*s, dtype=dtype, device=dev)  # noqa: E731
-        ws = Workspace(zeros, _error_flag(dev))
-        _WORKSPACES[key] = ws
+        ws = _WORKSPACES[key] = _new_workspace(dev, mirror=_graph_workspace(dev))
     return ws
+
+
+def reserve_graph_workspace(
+    x: torch.Tensor,
+    w13: PackedInt4Weight,
+    w2: PackedInt4Weight,
+    *,
+    topk_ids: torch.Tensor | None = None,
+    expert_major: bool = False,
+    block_m: int | None = None,
+) -> None:
+    """Sizes the device's graph workspace for a call of these shapes without running it
+    (call it outside any capture, with the largest shapes you will capture)."""
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("reserve_graph_workspace: call it before the capture, not inside")
+    dev = x.device
+    ws = _graph_workspace(dev)
+    _launch_fields(
+        x, x, w13, w2, expert_major=expert_major, topk_ids=topk_ids,
+        topk_weights=None, counts=None, block_m=block_m, num_sms=_num_sms(dev),
+        empty=lambda *shape, dtype: None, workspace=ws,
+    )  # fmt: skip
 
 
 def _raise_routing_errors(ws: Workspace, num_experts: int | None) -> None:
@@ -227,9 +291,6 @@ def check_routing_errors() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     for ws in _WORKSPACES.values():
-        if ws.errors.is_cuda and int(ws.errors[0]):  # a device flag (see _error_flag)
-            ws.errors.zero_()
-            raise ValueError("row_experts: a captured moe_int4_mlp call held invalid expert ids")
         _raise_routing_errors(ws, None)
 
 

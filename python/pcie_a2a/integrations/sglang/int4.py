@@ -369,9 +369,41 @@ def run_rows(layer: Any, dispatch_output: Any):
     return StandardCombineInput(hidden_states=y)
 
 
+def expert_major_weights(layer: Any, weights: torch.Tensor) -> torch.Tensor:
+    """Router weights for a decode dispatch of this INT4 layer in the expert-major layout,
+    where the combine applies them: ``routed_scaling_factor`` folded in where the runner
+    owes it (as :func:`run_rows` applies it on rows)."""
+    factor = getattr(getattr(layer, "moe_runner_config", None), "routed_scaling_factor", None)
+    if factor is not None and factor != 1.0 and runner_applies_routed_scaling(layer):
+        return weights * float(factor)
+    return weights
+
+
+def run_expert_major(layer: Any, dispatch_output: Any):
+    """``moe_int4_mlp_expert_major`` on the dispatcher's decode output (DeepEP's masked
+    layout, ``masked_m`` on the device): unweighted expert outputs in the same layout."""
+    from sglang.srt.layers.moe.token_dispatcher.deepep import DeepEPLLCombineInput
+
+    from pcie_a2a.quant import moe_int4_mlp_expert_major
+
+    experts = getattr(layer, INT4_ATTR, None)
+    if experts is None:
+        raise RuntimeError(
+            "pcie_a2a: INT4 MoE layer without packed experts: process_weights_after_loading "
+            "did not run for this layer"
+        )
+    d = dispatch_output
+    y = moe_int4_mlp_expert_major(d.hidden_states, d.masked_m, experts.w13, experts.w2)
+    return DeepEPLLCombineInput(y, d.topk_ids, d.topk_weights)
+
+
 def _apply_weights(original, self: Any, layer: Any, dispatch_output: Any, *a, **k):
     if not _ours(layer):
         return original(self, layer, dispatch_output, *a, **k)
+    from sglang.srt.layers.moe.token_dispatcher.base import DispatchOutputChecker
+
+    if DispatchOutputChecker.format_is_deepep_ll(dispatch_output):  # decode
+        return run_expert_major(layer, dispatch_output)
     return run_rows(layer, dispatch_output)
 
 

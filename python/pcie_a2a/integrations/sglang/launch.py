@@ -7,8 +7,13 @@ backend cannot do fails here with a message naming the flag, not at the first fo
 
 Adjusted (with a log line each):
 
-* CUDA graphs off for prefill and decode: this release's dispatch reads the per-rank
-  counts on the host (and stages tokens through host memory), which cannot be captured.
+* CUDA graphs: kept on for a GPU server (``--device cuda``, PCIE_A2A_BACKEND not ``cpu``):
+  decode batches run the low-latency calls, which never synchronise with the host and
+  capture in SGLang's decode graphs; the low-latency Buffer holds one decode batch per DP
+  rank (:func:`decode_tokens_per_rank`, which covers the largest captured batch). Prefill
+  graphs are turned off (the normal mode reads per-rank counts on the host). On a CPU
+  server or with PCIE_A2A_BACKEND=cpu (the CPU transport stages tokens through host
+  memory) graphs are off for both phases, as before.
 * shared-experts fusion off (``--disable-shared-experts-fusion``): the shared expert runs
   as its own replicated MLP on every rank (see ``models.py``).
 
@@ -18,7 +23,8 @@ Buffer places physical expert ``p`` on EP rank ``p // local``, SGLang's own layo
 SGLang's placements and weight moves apply unchanged; ``--eplb-algorithm pcie_a2a`` picks
 pcie_a2a's balancer (``eplb.py``, docs/balance.md).
 
-Refused: an unvalidated model architecture, two-batch / single-batch overlap,
+Refused: an unvalidated model architecture, two-batch / single-batch overlap (see
+:func:`validate` for why),
 ``--enable-eplb`` on an INT4 checkpoint (its layers run from pcie_a2a's packed copy, which
 SGLang's weight mover does not update), chunked prefill turned off, a
 ``PCIE_A2A_MAX_TOKENS_PER_RANK`` below what the server's own limits let one rank pass to
@@ -60,7 +66,8 @@ def required_tokens_per_rank(server_args: Any) -> int:
     a prefill chunk (SGLang's own prefill-buffer ceiling, per DP rank), a decode batch
     (``--max-running-requests`` per DP rank, or SGLang's 4096 bound, times the draft
     tokens per request under speculative decoding), or both with ``--enable-mixed-chunk``.
-    CUDA graphs are off under this backend, so no graph batch size adds to it."""
+    SGLang captures no decode graph larger than a decode batch, so no graph size adds
+    to it."""
     from sglang.srt.arg_groups.overrides import (
         max_prefill_buffer_tokens,
         max_speculative_num_draft_tokens,
@@ -79,6 +86,31 @@ def required_tokens_per_rank(server_args: Any) -> int:
     if view.enable_mixed_chunk:
         return max(1, prefill + decode)
     return max(1, prefill, decode)
+
+
+def decode_tokens_per_rank(server_args: Any) -> int:
+    """The most tokens one DP rank passes to one decode MoE call: running requests per DP
+    rank (or SGLang's 4096 bound) times the draft tokens per request. SGLang never
+    captures a decode graph larger than that, so the low-latency Buffer sized with it
+    covers every captured batch."""
+    from sglang.srt.arg_groups.overrides import max_speculative_num_draft_tokens
+
+    view = _view(server_args)
+    if view.max_running_requests is not None:
+        reqs = max(1, view.max_running_requests // max(1, view.attn_dp_size))
+    else:
+        reqs = DEFAULT_DECODE_TOKENS
+    per_req = 1
+    if view.speculative_algorithm:
+        per_req = max_speculative_num_draft_tokens(server_args) or 1
+    return max(1, min(reqs * per_req, capacity_tokens_per_rank(server_args)))
+
+
+def cuda_path(server_args: Any) -> bool:
+    """Whether this server runs the CUDA transport (a GPU device and no explicit
+    PCIE_A2A_BACKEND=cpu): the path that keeps decode CUDA graphs on."""
+    device = getattr(_view(server_args), "device", None) or getattr(server_args, "device", None)
+    return str(device or "cuda").startswith("cuda") and env.backend() != "cpu"
 
 
 def capacity_tokens_per_rank(server_args: Any) -> int:
@@ -192,13 +224,15 @@ def validate(server_args: Any) -> list[str]:
     if view.enable_two_batch_overlap:
         _refuse(
             "--enable-two-batch-overlap",
-            "the dispatcher runs each call synchronously and keeps one in-flight state "
-            "per layer, not one per sub-batch",
+            "the two micro-batches would share one Buffer per mode, and a Buffer keeps "
+            "one call in flight (a receive hook must run before the next call starts); "
+            "overlap needs a Buffer per micro-batch, which this release does not build",
         )
     if view.enable_single_batch_overlap:
         _refuse(
             "--enable-single-batch-overlap",
-            "combine cannot overlap the down projection in this release",
+            "combine cannot overlap the down projection: it starts after the expert "
+            "output is complete",
         )
     int4 = int4_checkpoint(server_args)
     if view.enable_eplb and int4:
@@ -238,16 +272,27 @@ def validate(server_args: Any) -> list[str]:
             "experts run replicated on every rank under --moe-a2a-backend pcie"
         )
     cg = view.cuda_graph_config
-    if cg is not None and (
-        cg.decode.backend != Backend.DISABLED or cg.prefill.backend != Backend.DISABLED
-    ):
-        cg = with_phase(cg, Phase.DECODE, backend=Backend.DISABLED)
-        cg = with_phase(cg, Phase.PREFILL, backend=Backend.DISABLED)
-        declare_resolution(server_args, "pcie_a2a", cuda_graph_config=cg)
-        say(
-            "pcie_a2a: CUDA graphs are disabled (prefill and decode) under "
-            "--moe-a2a-backend pcie: dispatch reads per-rank token counts on the host"
-        )
+    on_gpu = cuda_path(server_args)
+    if cg is not None:
+        phases = (Phase.PREFILL,) if on_gpu else (Phase.DECODE, Phase.PREFILL)
+        on = [p for p in phases if getattr(cg, p).backend != Backend.DISABLED]
+        for phase in on:
+            cg = with_phase(cg, phase, backend=Backend.DISABLED)
+        if on:
+            declare_resolution(server_args, "pcie_a2a", cuda_graph_config=cg)
+        if on_gpu:
+            say(
+                "pcie_a2a: decode CUDA graphs stay on under --moe-a2a-backend pcie (decode "
+                "runs the low-latency dispatch/combine, buffers for "
+                f"{decode_tokens_per_rank(server_args)} tokens per DP rank)"
+                + ("; prefill graphs off: the normal mode reads counts on the host" if on else "")
+            )
+        elif on:
+            say(
+                "pcie_a2a: CUDA graphs are disabled (prefill and decode) under "
+                "--moe-a2a-backend pcie on the CPU transport: tokens are staged through "
+                "host memory"
+            )
     placed = view.init_expert_location not in (None, "", "trivial")
     if view.ep_num_redundant_experts or placed or view.enable_eplb:
         say(

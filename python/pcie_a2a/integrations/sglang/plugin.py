@@ -84,6 +84,7 @@ def _fused_moe_init(result: Any, self: Any, *args: Any, **kwargs: Any) -> None:
         # of *different* tokens from other DP ranks (or hang on mismatched sizes).
         self.reduce_results = False
         check_layer(self, dispatcher)
+        self.dispatcher.bind_layer(self)  # decode: INT4 layers take the expert-major layout
     return None
 
 

@@ -7,12 +7,19 @@ and again in each engine core), only with ``PCIE_A2A_VLLM=1`` and only for confi
 that put our prepare/finalize into the MoE layers (expert parallelism with
 ``--data-parallel-size`` > 1). Each refusal names the flag to change.
 
-- CUDA graphs: a dispatch in this release stages tokens through host memory with a
-  blocking copy, which cannot be captured. An unset ``cudagraph_mode`` is set to ``NONE``
-  (what ``-cc.cudagraph_mode=NONE`` does; vLLM does the same for DeepEP high-throughput)
-  with a log line; an explicitly requested graph mode is refused.
-- DBO / micro-batching: the prepare/finalize keeps one dispatch in flight per layer, so two
-  interleaved micro-batches are refused (``--enable-dbo``, ``--ubatch-size``).
+- CUDA graphs on a GPU (the CUDA transport): left as vLLM resolves them, every mode it
+  allows for DeepEP's low-latency kernels. Calls up to the largest captured size run the
+  low-latency dispatch/combine (no host sync, static shapes); larger ones, which vLLM runs
+  eagerly, the normal mode.
+- CUDA graphs on the CPU transport (vLLM's CPU build, ``PCIE_A2A_BACKEND=cpu``): a
+  dispatch stages tokens through host memory with a blocking copy, which cannot be
+  captured. An unset ``cudagraph_mode`` is set to ``NONE`` (what
+  ``-cc.cudagraph_mode=NONE`` does) with a log line; an explicitly requested graph mode
+  is refused.
+- DBO / micro-batching: both micro-batches would share the prepare/finalize's one Buffer
+  per mode, which keeps one call in flight (a receive hook must run before the next call
+  starts), so two interleaved micro-batches are refused (``--enable-dbo``,
+  ``--ubatch-size``).
 - ``--all2all-backend``: ours replaces vLLM's all2all; another explicit backend is refused.
 - EPLB, elastic EP, prefill context parallelism and TP > 1 inside a DP rank (vLLM's
   sequence-parallel MoE): not supported, refused.
@@ -72,7 +79,8 @@ def resolve(vllm_config: Any) -> None:
     if pc.use_ubatching:
         raise _refuse(
             "dual-batch overlap / micro-batching (--enable-dbo, --ubatch-size) is not "
-            "supported: one dispatch per layer is in flight at a time",
+            "supported: both micro-batches would share one Buffer, which keeps one call in "
+            "flight at a time",
             "drop --enable-dbo and --ubatch-size",
         )
     if pc.prefill_context_parallel_size > 1:
@@ -87,12 +95,23 @@ def resolve(vllm_config: Any) -> None:
             "(vLLM's sequence-parallel MoE) is not supported yet",
             "use --tensor-parallel-size 1 with --data-parallel-size N",
         )
-    _cuda_graphs_off(vllm_config)
+    if not cuda_path():
+        _cuda_graphs_off(vllm_config)
     logger.info(
         "pcie_a2a: expert parallelism over %d DP ranks runs on pcie_a2a's prepare/finalize "
         "(PCIE_A2A_VLLM=1)",
         pc.data_parallel_size,
     )
+
+
+def cuda_path() -> bool:
+    """Whether the prepare/finalize runs the CUDA transport here (a GPU platform and no
+    explicit PCIE_A2A_BACKEND=cpu): the path that keeps CUDA graphs on."""
+    from vllm.platforms import current_platform
+
+    from pcie_a2a import env
+
+    return bool(current_platform.is_cuda()) and env.backend() != "cpu"
 
 
 def _cuda_graphs_off(vllm_config: Any) -> None:
@@ -105,13 +124,13 @@ def _cuda_graphs_off(vllm_config: Any) -> None:
     if cc.cudagraph_mode is not None:
         raise _refuse(
             f"CUDA graphs (cudagraph_mode={cc.cudagraph_mode.name}) cannot capture a "
-            "dispatch in this release (tokens are staged through host memory)",
+            "dispatch on the CPU transport (tokens are staged through host memory)",
             "drop -cc.cudagraph_mode / --compilation-config cudagraph_mode (pcie_a2a then "
             "turns graphs off itself) or pass --enforce-eager",
         )
     cc.cudagraph_mode = CUDAGraphMode.NONE
     logger.info(
         "pcie_a2a: disabling CUDA graphs (cudagraph_mode=NONE, as -cc.cudagraph_mode=NONE): "
-        "a dispatch stages tokens through host memory in this release and cannot be "
+        "on the CPU transport a dispatch stages tokens through host memory and cannot be "
         "captured; torch.compile stays on"
     )

@@ -28,6 +28,14 @@ experts' scale layout), so scales never cross the wire.
 finalize: applies the router weights and the top-k reduction on this rank (unless the
 experts already did), sends each row back to its source, and writes the fp32 sum over the
 token's ranks into ``output`` in place (``output_is_reduced()``).
+
+Modes: a call whose largest DP rank passes at most ``low_latency_tokens`` tokens (vLLM's
+largest CUDA-graph size) runs ``low_latency_dispatch``/``low_latency_combine`` on a Buffer
+of that capacity: rows in the ``rows`` layout flattened to ``[world * capacity, H]``
+(empty slots carry weight 0 and an off-rank expert), per-expert counts left on the device,
+nothing read on the host, so vLLM's graphs capture it. Larger calls (prefill) run the
+normal mode. On a device-resident Buffer (the CUDA transport) tensors stay on the device;
+on the CPU transport they are staged through host memory (``_common.device_resident``).
 """
 
 from __future__ import annotations
@@ -201,6 +209,7 @@ class PcieA2APrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         group: dist.ProcessGroup | None = None,
         max_tokens_per_rank: int | None = None,
         expert_ids: str = "auto",
+        low_latency_tokens: int | None = None,
     ):
         super().__init__()
         if expert_ids not in EXPERT_ID_SPACES:
@@ -212,9 +221,15 @@ class PcieA2APrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         self.top_k = int(top_k)
         self.max_tokens = int(max_tokens_per_rank or _common.max_tokens_per_rank())
         self.expert_ids = expert_ids  # "auto": decided by post_init_setup (or prepare)
+        # calls whose largest DP rank passes at most this many tokens run the low-latency
+        # mode (static shapes, no host sync: the CUDA-graph sizes); larger ones the normal
+        self.low_latency_tokens = min(int(low_latency_tokens or 0), self.max_tokens)
         self._group = group
         self._group_resolved = group is not None
         self._buffer = None
+        self._ll_buffer = None
+        self._placement_built: Placement | None = None
+        self._l2g_on: dict[torch.device, torch.Tensor] = {}
         self._local_to_global: torch.Tensor | None = None  # + an off-rank expert last
         self._local_map: list[int] | None = None  # this rank's expert_map, as built
         self._map_checked: torch.Tensor | None = None
@@ -254,6 +269,7 @@ class PcieA2APrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
             moe.num_local_experts,
             moe.experts_per_token,
             max_tokens_per_rank=cap,
+            low_latency_tokens=int(getattr(moe, "max_capture_size", 0) or 0),
         )
 
     # ---- the contract's static answers ---------------------------------------------------
@@ -309,11 +325,43 @@ class PcieA2APrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         dist.all_gather_object(maps, local_map, group=self.group)
         return placement_from_expert_maps(maps, self.num_experts)
 
+    def low_latency_buffer(self, hidden: int, dtype: torch.dtype, expert_map=None):
+        """The Buffer of the low-latency calls: one decode (CUDA-graph) batch per rank."""
+        self.buffer(hidden, dtype, expert_map)
+        if self._ll_buffer is None:
+            self._ll_buffer = _common.shared_buffer(self.group, self.num_experts, hidden,
+                                                    self.top_k, dtype, self.low_latency_tokens,
+                                                    placement=self._placement_built)  # fmt: skip
+        return self._ll_buffer
+
+    def _low_latency(self, num_tokens: int) -> bool:
+        """The mode of this call, the same on every rank: vLLM's DP metadata gives every
+        rank the token counts of all of them (host tensors)."""
+        if self.low_latency_tokens <= 0:
+            return False
+        try:
+            from vllm.forward_context import get_forward_context, is_forward_context_available
+
+            if is_forward_context_available():
+                dp = get_forward_context().dp_metadata
+                if dp is not None:
+                    num_tokens = int(dp.num_tokens_across_dp_cpu.max())
+        except Exception:  # no forward context (unit tests): this rank's own count
+            pass
+        return num_tokens <= self.low_latency_tokens
+
+    def _local_to_global_on(self, device: torch.device) -> torch.Tensor:
+        t = self._l2g_on.get(device)
+        if t is None:
+            t = self._l2g_on[device] = self._local_to_global.to(device)
+        return t
+
     def buffer(self, hidden: int, dtype: torch.dtype, expert_map: torch.Tensor | None = None):
         if self._buffer is None:
             world = dist.get_world_size(self.group)
             rank = dist.get_rank(self.group)
             placement = self._placement(expert_map, world)
+            self._placement_built = placement
             if placement.num_local_experts(rank) != self.num_local_experts:
                 raise ValueError(
                     f"pcie_a2a: expert_map puts {placement.num_local_experts(rank)} experts "
@@ -369,26 +417,39 @@ class PcieA2APrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
                 )
             a1 = a1 * topk_weights.to(a1.dtype)
         _common.check_topk_ids_width(self.top_k, topk_ids.shape[1], "vllm")
-        x = _common.to_host(a1, "hidden_states").contiguous()
-        ids = _common.to_host(topk_ids, "topk_ids").contiguous()
-        w = _common.to_host(topk_weights, "topk_weights").to(torch.float32).contiguous()
-        buf = self.buffer(x.shape[1], x.dtype, expert_map)
+        low_latency = self._low_latency(a1.shape[0])
+        if low_latency:
+            buf = self.low_latency_buffer(a1.shape[1], a1.dtype, expert_map)
+        else:
+            buf = self.buffer(a1.shape[1], a1.dtype, expert_map)
+        x = _common.stage_in(buf, a1, "hidden_states").contiguous()
+        ids = _common.stage_in(buf, topk_ids, "topk_ids").contiguous()
+        w = _common.stage_in(buf, topk_weights, "topk_weights").to(torch.float32).contiguous()
         if self.expert_ids == "auto":  # built outside a FusedMoEKernel
             self.expert_ids = "global" if experts_read_expert_map() else "local"
-        res = _common.dispatch(buf, x, ids, w)
-        self._pending.append(res.handle)
-        local = res.topk_ids  # int32 local index on this rank, -1: routed elsewhere
+        if low_latency:  # the rows layout, flattened: [world * capacity, ...]
+            res = _common.dispatch(buf, x, ids, w, layout="rows")
+            rx, local, rw = (t.flatten(0, 1) for t in (res.x, res.topk_ids, res.topk_weights))
+        else:
+            res = _common.dispatch(buf, x, ids, w)
+            rx, local, rw = res.x, res.topk_ids, res.topk_weights
+        self._pending.append((buf, res.handle, low_latency))
+        # local: int32 index on this rank, -1 routed elsewhere (or an empty slot)
         if self.expert_ids == "local":
             out_ids = local.clamp(min=0)  # weight 0 on those slots
-        else:
-            out_ids = self._local_to_global[local.long()]  # -1 -> the off-rank expert
-        rx = res.x.to(device)
+        else:  # -1 -> the off-rank expert
+            out_ids = self._local_to_global_on(local.device)[local.long()]
+        rx = _common.stage_out(buf, rx, device)
         scale = None
         quantize = getattr(quant_config, "quant_dtype", None) is not None
         if quantize and not defer_input_quant and rx.numel():
             rx, scale = quantize_input(rx, quant_config)
-        if device.type == "cpu":  # make_from_list pins host memory, which needs a GPU
-            counts = res.tokens_per_expert.to(torch.int32)
+        counts = _common.stage_out(buf, res.tokens_per_expert, device)
+        if _common.device_resident(buf):
+            # counts stay on the device (no host copy: capturable)
+            meta = mk.ExpertTokensMetadata(expert_num_tokens=counts, expert_num_tokens_cpu=None)
+        elif device.type == "cpu":  # make_from_list pins host memory, which needs a GPU
+            counts = counts.to(torch.int32)
             meta = mk.ExpertTokensMetadata(
                 expert_num_tokens=counts, expert_num_tokens_cpu=counts.clone()
             )
@@ -398,8 +459,8 @@ class PcieA2APrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
             rx,
             scale,
             meta,
-            out_ids.to(device=device, dtype=topk_ids.dtype),
-            res.topk_weights.to(device=device, dtype=topk_weights.dtype),
+            _common.stage_out(buf, out_ids, device).to(topk_ids.dtype),
+            _common.stage_out(buf, rw, device).to(topk_weights.dtype),
         )
 
     def finalize(
@@ -413,7 +474,7 @@ class PcieA2APrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
     ) -> None:
         if not self._pending:
             raise RuntimeError("pcie_a2a: finalize() without a matching prepare()")
-        handle = self._pending.popleft()
+        buf, handle, low_latency = self._pending.popleft()
         y = fused_expert_output
         if isinstance(weight_and_reduce_impl, TopKWeightAndReduceNoOP):
             pass  # the experts already weighted and reduced: [R, H]
@@ -429,7 +490,10 @@ class PcieA2APrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
                 topk_ids=topk_ids,
                 apply_router_weight_on_input=apply_router_weight_on_input,
             )
-        buf = self._buffer
-        rows = _common.to_host(y, "expert output").to(buf.dtype).contiguous()
-        out = buf.combine(rows, handle)
-        output.copy_(out.to(device=output.device, dtype=output.dtype))
+        rows = _common.stage_in(buf, y, "expert output").to(buf.dtype).contiguous()
+        if low_latency:
+            rows = rows.view(buf.world, buf.max_tokens_per_rank, rows.shape[-1])
+            out = buf.low_latency_combine(rows, handle)
+        else:
+            out = buf.combine(rows, handle)
+        output.copy_(out)  # copy_ crosses devices and casts itself
