@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import pickle
 import socket
 import traceback
 from collections.abc import Callable
@@ -38,6 +39,14 @@ class Outcome:
         return self.value
 
 
+def _by_value(value: Any) -> bytes:
+    # The plain pickler copies tensor data into the bytes. Through the queue's own pickler
+    # torch would pass a tensor's storage as a file descriptor that the parent fetches from
+    # the child later, and a child that has exited by then loses the result
+    # (FileNotFoundError in resource_sharer).
+    return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -60,7 +69,7 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, queue) 
         )
         try:
             value = fn(rank, world, *args)
-            queue.put(Outcome(rank, True, value))
+            queue.put(Outcome(rank, True, _by_value(value)))
         finally:
             dist.destroy_process_group()
     except BaseException as exc:  # reported to the parent, never swallowed
@@ -93,6 +102,8 @@ def run_ranks(world: int, fn: Callable, *args: Any, timeout: float = 120.0) -> l
                 break
             try:
                 o = queue.get(timeout=min(remaining, 0.5))
+                if o.ok:
+                    o.value = pickle.loads(o.value)
                 outcomes[o.rank] = o
             except queue_mod.Empty:
                 if all(not p.is_alive() for p in procs) and queue.empty():
