@@ -515,7 +515,7 @@ MUTATIONS = [
     # workspace: more CTAs than slots (slot index past the workspace)
     (
         "gemm_kernel.cuh",
-        "grid > p.ws_items) grid = p.ws_items;",
+        "grid > p.ws_items) grid = static_cast<int32_t>(p.ws_items);",
         "grid > p.ws_items) grid = grid;",
         "split64",
     ),
