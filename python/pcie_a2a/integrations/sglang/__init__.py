@@ -22,13 +22,8 @@ from pcie_a2a.integrations.sglang.dispatcher import (  # noqa: E402
     OUTPUT_FORMATS,
     PcieA2ADispatcher,
 )
-from pcie_a2a.integrations.sglang.plugin import (  # noqa: E402
-    A2A_ALIAS,
-    A2A_NAME,
-    attach_int4_experts,
-    is_active,
-    register,
-)
+from pcie_a2a.integrations.sglang.plugin import attach_int4_experts, register  # noqa: E402
+from pcie_a2a.integrations.sglang.state import A2A_ALIAS, A2A_NAME, is_active  # noqa: E402
 
 __all__ = [
     "A2A_ALIAS",

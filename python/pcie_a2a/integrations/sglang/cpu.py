@@ -70,7 +70,7 @@ def fill_dropped_slots(
 
 def moe_forward_native_hook(original, layer, x, topk_output, moe_runner_config):
     """AROUND hook on ``sglang.srt.layers.moe.fused_moe_native.moe_forward_native``."""
-    from pcie_a2a.integrations.sglang.plugin import is_active
+    from pcie_a2a.integrations.sglang.state import is_active
 
     if not is_active():
         return original(layer, x, topk_output, moe_runner_config)

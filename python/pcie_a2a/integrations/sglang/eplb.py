@@ -200,7 +200,7 @@ def _rebalance_experts(original, *args: Any, **kwargs: Any):
 
 
 def _dispatch_map(original, *args: Any, **kwargs: Any):
-    from pcie_a2a.integrations.sglang.plugin import is_active
+    from pcie_a2a.integrations.sglang.state import is_active
 
     if not is_active():
         return original(*args, **kwargs)

@@ -125,7 +125,7 @@ def check_runner_config(cfg: Any, where: str) -> None:
 
 def _create_moe_runner(original, self: Any, layer: Any, moe_runner_config: Any, *a, **k):
     # runs inside FusedMoE.__init__ before the dispatcher exists: ask the backend
-    from pcie_a2a.integrations.sglang.plugin import is_active
+    from pcie_a2a.integrations.sglang.state import is_active
 
     if is_active():
         check_runner_config(moe_runner_config, getattr(layer, "prefix", type(layer).__name__))

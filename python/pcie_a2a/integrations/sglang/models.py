@@ -59,7 +59,7 @@ def _stack() -> list[str]:
 
 
 def _active() -> bool:
-    from pcie_a2a.integrations.sglang.plugin import is_active
+    from pcie_a2a.integrations.sglang.state import is_active
 
     return is_active()
 

@@ -38,23 +38,13 @@ import logging
 import typing
 from typing import Any
 
-from pcie_a2a import env
+from pcie_a2a.integrations.sglang.state import A2A_ALIAS, A2A_NAME, A2A_NAMES, is_active
 
 logger = logging.getLogger("pcie_a2a.integrations.sglang")
 
-A2A_NAME = "customized"
-A2A_ALIAS = "pcie"
-_NAMES = (A2A_ALIAS, A2A_NAME)
 _T_LAYER = "sglang.srt.layers.moe.fused_moe_triton.layer"
 _T_UTILS = "sglang.srt.layers.moe.utils"
 _registered = False
-
-
-def is_active() -> bool:
-    """True when SGLang's a2a backend is ``customized`` (or ``pcie``) and not disabled."""
-    from sglang.srt.layers.moe.utils import get_moe_a2a_backend
-
-    return env.sglang_enabled() and get_moe_a2a_backend().is_customized()
 
 
 # ---- hooks (module-level so they are picklable and show up by name in SGLang's logs) ------
@@ -173,7 +163,7 @@ def _patch_cli_choices() -> list[str]:
         for meta in getattr(hint, "__metadata__", ()):
             choices = getattr(meta, "choices", None)
             if isinstance(choices, list):
-                for name in _NAMES:
+                for name in A2A_NAMES:
                     if name not in choices:
                         choices.append(name)
                 patched.append(owner.__name__)
@@ -189,8 +179,8 @@ def _patch_ep_spanning() -> None:
     from sglang.srt.arg_groups import overrides
 
     current = overrides._A2A_EP_SPANNING_BACKENDS
-    if not set(_NAMES) <= set(current):
-        overrides._A2A_EP_SPANNING_BACKENDS = frozenset(current) | frozenset(_NAMES)
+    if not set(A2A_NAMES) <= set(current):
+        overrides._A2A_EP_SPANNING_BACKENDS = frozenset(current) | frozenset(A2A_NAMES)
 
 
 def _register_marlin() -> None:

@@ -18,9 +18,8 @@ from pcie_a2a import cuda_checks, env
 from pcie_a2a.topology.ranks import default_send_order
 
 # native, device_uuid and cuda_bus_id are looked up on the package (tests replace them there)
-from pcie_a2a.transport import cuda as pkg
 from pcie_a2a.transport.base import resolve_pair_direction
-from pcie_a2a.transport.cuda.common import P2P, PULL, STAGED, _nonce, _release
+from pcie_a2a.transport.cuda.common import P2P, PULL, STAGED, _nonce, _release, package
 from pcie_a2a.transport.cuda.planning import outgoing_pairs, plan_on_rank0
 
 
@@ -35,7 +34,12 @@ class Bootstrap:
         error, info = None, None
         try:
             uid = f"{os.getpid()}_{secrets.token_hex(6)}"
-            info = (pkg.device_uuid(idx), pkg.cuda_bus_id(idx), uid, mod.device_report(idx or 0))
+            info = (
+                package().device_uuid(idx),
+                package().cuda_bus_id(idx),
+                uid,
+                mod.device_report(idx or 0),
+            )
         except Exception as exc:  # reported to every rank
             error = f"rank {rank}: {cuda_checks.explain_cuda_error(str(exc))}"
         gathered = self._check_all(error, "querying the devices", info)
@@ -124,7 +128,7 @@ class Bootstrap:
         self.numa_warning = tx.numa_warning
 
     def _own_row(self, uuids: list[str], rp: Any) -> list[int]:
-        visible = [pkg.device_uuid(i) for i in range(torch.cuda.device_count())]
+        visible = [package().device_uuid(i) for i in range(torch.cuda.device_count())]
         row = outgoing_pairs(
             self.rank, uuids, env.p2p(), visible, torch.cuda.can_device_access_peer
         )

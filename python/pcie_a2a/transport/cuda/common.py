@@ -58,6 +58,16 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t.clone() if t.numel() and t.data_ptr() % 16 else t
 
 
+def package() -> Any:
+    """The ``pcie_a2a.transport.cuda`` package, looked up when called (not bound at import,
+    which would make each module of the package import the package it is part of): the tests
+    and the CUDA emulation replace ``native``, ``_device``, ``device_uuid``, ``cuda_bus_id``
+    and ``topology_rank_plan`` on it."""
+    import pcie_a2a.transport.cuda as pkg
+
+    return pkg
+
+
 def _release(tx: Any, names: list[str]) -> None:
     """The non-collective close (garbage collection, interpreter exit, a failed bootstrap):
     closes the imports and frees this rank's memory only if every peer's close mark is

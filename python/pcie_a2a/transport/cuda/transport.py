@@ -14,7 +14,6 @@ import torch.distributed as dist
 
 from pcie_a2a import env
 from pcie_a2a.placement import Placement
-from pcie_a2a.transport import cuda as pkg
 from pcie_a2a.transport.base import Transport, pair_decisions
 from pcie_a2a.transport.cuda.bootstrap import Bootstrap
 from pcie_a2a.transport.cuda.calls import AsyncCalls
@@ -29,6 +28,7 @@ from pcie_a2a.transport.cuda.common import (
     _aligned,
     _ptr,
     _release,
+    package,
 )
 
 
@@ -95,7 +95,7 @@ class CudaTransport(Bootstrap, AsyncCalls, Transport):
         probe_timeout_s: float = 5.0,
         pair_direction: Any = None,
     ):
-        mod = pkg.native()
+        mod = package().native()
         self._setup(rank, world, hidden, max_tokens, num_topk, payload, dtype, placement,
                     device, timeout_s, copy_engine_min_bytes)  # fmt: skip
         self.group = group if group is not None else dist.group.WORLD
@@ -124,7 +124,7 @@ class CudaTransport(Bootstrap, AsyncCalls, Transport):
         self.payload, self.dtype_code = payload, dtype
         self.dtype = torch.bfloat16 if dtype == 0 else torch.float16
         self.timeout_s = float(timeout_s)
-        self.device = pkg._device(device)
+        self.device = package()._device(device)
         self.num_local_experts = placement.num_local_experts(rank)
         self.numa_warning = ""
         self.environment_warnings: list[str] = []
