@@ -149,10 +149,31 @@ def test_gemm_cost_curve_and_its_poisson_expectation():
         GemmCost.from_points([(4, 1.0), (4, 2.0)])
 
 
-def test_row_bytes_follow_the_wire_format():
-    rb = RowBytes.for_model(7168, 8, "fp8")
-    assert (rb.dispatch, rb.combine) == (7472, 14336)
-    assert RowBytes.for_model(7168, 8, "bf16").dispatch == 80 + 14336
+# (hidden, top-k, payload, dispatch row, combine row), derived by hand from the wire format:
+# a 16-byte header, top-k int32 expert ids, top-k fp32 weights, then the payload (bf16: 2
+# bytes a channel; fp8: 1 byte a channel, then one fp32 scale per 128 channels), each part
+# starting 16-byte aligned; the combine row is bf16 hidden.
+ROW_BYTES_CASES = [
+    # ids 16..48, weights 48..80, e4m3 80..7248, 56 scales 7248..7472
+    (7168, 8, "fp8", 7472, 14336),
+    # ids 16..48, weights 48..80, bf16 80..14416
+    (7168, 8, "bf16", 14416, 14336),
+    # ids 16..28 -> 32, weights 32..44 -> 48, e4m3 48..2096, 16 scales 2096..2160
+    (2048, 3, "fp8", 2160, 4096),
+    # ids 16..28 -> 32, weights 32..44 -> 48, bf16 48..4144
+    (2048, 3, "bf16", 4144, 4096),
+]
+
+
+@pytest.mark.parametrize(("hidden", "topk", "payload", "dispatch", "combine"), ROW_BYTES_CASES)
+def test_row_bytes_follow_the_wire_format(hidden, topk, payload, dispatch, combine):
+    from pcie_a2a import _transport
+
+    rb = RowBytes.for_model(hidden, topk, payload)
+    assert (rb.dispatch, rb.combine) == (dispatch, combine)
+    payload_code = {"bf16": 0, "fp8": 2}[payload]  # csrc/core/numeric.h Payload
+    native = _transport.slot_bytes(2, hidden, 1, topk, payload_code, 0)[:2]
+    assert (rb.dispatch, rb.combine) == tuple(native)
 
 
 def test_expected_metrics_agree_with_routed_tokens(boxes):

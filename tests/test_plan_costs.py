@@ -324,29 +324,62 @@ def test_routing_counts_checked():
     assert per_layer.share == pytest.approx((0.25, 0.25, 0.5, 0.0))
 
 
-def test_pipeline_tpot_is_micro_batches_times_the_slowest_stage():
+def test_pipeline_stages_charge_framework_on_stage_0_and_their_own_launches():
     from pcie_a2a.configplan import predict
 
     env = env_for(step_us=500.0, request_us=2.0)
     cfg = Config(1, 2)
-    s = step(env, cfg, 64)
-    stages = []
     for st in range(2):  # 61 layers: 31 (embedding, dense layer 0) + 30 (LM head)
         t = predict._stage(env, cfg, st, 32, env.context, {}, 32)
         # per micro-batch: the scheduler's forward pass and its 32 requests, on stage 0;
         # each stage launches its own kernels (31 x 12 + 30 x 12 + 4 / 30 x 24 + 5)
         assert t["framework"] == pytest.approx(500.0 + 2.0 * 32 if st == 0 else 0.0)
         assert t["launch"] == pytest.approx(2.5 * (736 if st == 0 else 725))
-        stages.append(sum(t.values()) + predict._pp_send(env, cfg, st, 32, {}))
-    assert stages[0] != pytest.approx(stages[1])
-    assert s.tpot_us == pytest.approx(2 * max(stages))
-    assert s.tpot_us > sum(stages)
-    # the bubble: 2 micro-batches through 2 unequal stages leave the average stage idle
-    assert s.bubble_us == pytest.approx(2 * max(stages) - sum(stages), rel=1e-9)
-    assert step(env, cfg, 1).tpot_us == pytest.approx(
-        sum(sum(predict._stage(env, cfg, st, 1, 0, {}, 1).values()) for st in range(2))
-        + sum(predict._pp_send(env, cfg, st, 1, {}) for st in range(2))
-    )
+
+
+# (name, pp, concurrency, per stage (work, send) in us, tpot, bubble), worked by hand:
+# micro-batches = min(pp, concurrency); tpot = max(one trip through all stages,
+# micro-batches x slowest stage); bubble = tpot - micro-batches x trip / pp.
+PIPELINE_CASES = [
+    # 2 micro-batches; stages 410 and 270: trip 680 < 2 x 410 = 820; 820 - 2 x 680 / 2 = 140
+    ("two_unequal_stages", 2, 64, [(400.0, 10.0), (250.0, 20.0)], 820.0, 140.0),
+    # 1 micro-batch: the trip, 680; 680 - 1 x 680 / 2 = 340
+    ("one_request", 2, 1, [(400.0, 10.0), (250.0, 20.0)], 680.0, 340.0),
+    # 2 micro-batches through 3 stages 100, 350, 150: trip 600 < 2 x 350 = 700; 700 - 400 = 300
+    (
+        "fewer_micro_batches_than_stages",
+        3,
+        2,
+        [(100.0, 0.0), (350.0, 0.0), (150.0, 0.0)],
+        700.0,
+        300.0,
+    ),
+    # equal stages, 2 micro-batches: 2 x 200 = 400 = the trip; no bubble
+    ("equal_stages", 2, 8, [(150.0, 50.0), (150.0, 50.0)], 400.0, 0.0),
+]
+
+
+@pytest.mark.parametrize(
+    ("pp", "concurrency", "stages", "tpot", "bubble"),
+    [c[1:] for c in PIPELINE_CASES],
+    ids=[c[0] for c in PIPELINE_CASES],
+)
+def test_pipeline_tpot_is_micro_batches_times_the_slowest_stage(
+    monkeypatch, pp, concurrency, stages, tpot, bubble
+):
+    from pcie_a2a.configplan import predict
+
+    def stage_cost(env, cfg, stage, *args):
+        t = dict.fromkeys(predict.TERMS, 0.0)
+        t["experts"] = stages[stage][0]
+        return t
+
+    monkeypatch.setattr(predict, "_stage", stage_cost)
+    monkeypatch.setattr(predict, "_pp_send", lambda env, cfg, stage, *a: stages[stage][1])
+    s = step(env_for(), Config(1, pp), concurrency)
+    assert s.micro_batches == min(pp, concurrency)
+    assert s.tpot_us == pytest.approx(tpot, rel=1e-12)
+    assert s.bubble_us == pytest.approx(bubble, abs=1e-9)
 
 
 def test_custom_all_reduce_stops_at_56kb():
