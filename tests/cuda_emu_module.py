@@ -1,7 +1,7 @@
 """The Python-level emulation of the CUDA backend: ``pcie_a2a._cuda_transport`` built from
 the real binding (csrc/bindings/cuda_transport.cu), the real host code and the real kernels,
 compiled with the host compiler against the CUDA execution model (tests/native/emu), so
-that ``pcie_a2a.cuda_backend`` and ``Buffer(backend="cuda")`` run unchanged on CPU tensors.
+that ``pcie_a2a.transport.cuda`` and ``Buffer(backend="cuda")`` run unchanged on CPU tensors.
 
 What it is for: the Python host code's cost, counted (host synchronisations and kernel
 launches of ``Buffer.low_latency_dispatch``/``low_latency_combine``, including the torch
@@ -11,7 +11,7 @@ is plain host memory here (one process; the segments come from the emulated runt
 and the tensors are torch CPU tensors), streams and graphs are the emulated runtime's.
 
 ``install()`` must run in a fresh process (tests spawn one per case): it puts the module in
-``sys.modules`` and points the few torch.cuda touch points of cuda_backend/buffer at the CPU.
+``sys.modules`` and points the few torch.cuda touch points of transport.cuda/buffer at the CPU.
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ class Hooks:
 
 def install(so: Path) -> Hooks:
     """Makes this process's pcie_a2a use the emulated module on CPU tensors. Returns the
-    hooks; ``cuda_backend.CudaTransport._stream`` returns ``EMU_STREAM.current`` (set it per
+    hooks; ``transport.cuda.CudaTransport._stream`` returns ``EMU_STREAM.current`` (set it per
     rank for the in-process harness)."""
     import importlib.util
 

@@ -1,4 +1,4 @@
-"""``Buffer(backend="cuda")`` and ``pcie_a2a.cuda_backend`` run without a GPU: the real
+"""``Buffer(backend="cuda")`` and ``pcie_a2a.transport.cuda`` run without a GPU: the real
 binding, host code and kernels compiled against the CUDA execution model
 (tests/cuda_emu_module.py), on CPU tensors, one fresh process per case.
 

@@ -10,7 +10,7 @@ touch). Only ``ptx.cuh`` (the inline PTX: acquire/release loads and stores, fenc
 (``tests/native/transport_emu/main.cpp``) forks one process per rank; each builds the real
 ``CudaTransport``, exchanges IPC handles, opens its peers with a pair plan (P2P pairs
 through the arena, staged pairs through real POSIX shared memory), probes every pair, and
-makes the calls ``pcie_a2a.cuda_backend`` makes, with no barrier between calls or before the
+makes the calls ``pcie_a2a.transport.cuda`` makes, with no barrier between calls or before the
 two-phase close. So slot assignment, the warp ballots and scans, the per-warp fp8 quantiser,
 flag parity and call numbers begun by the send kernels, the pollers and work items, the
 staged rows' arrival marks, the abort and timeout paths, device-side id checks, the

@@ -45,7 +45,7 @@
 // resources left after close() beyond a leaked segment it reported), when one fails the
 // others are killed; 5 when a host segment was still linked after every rank closed.
 //
-// Each step issues exactly the CudaTransport calls that pcie_a2a.cuda_backend makes for it
+// Each step issues exactly the CudaTransport calls that pcie_a2a.transport.cuda makes for it
 // (tickets are 16-byte device buffers, one stream per rank); no barrier separates steps
 // or precedes close() (its two phases synchronise the ranks), so ranks run ahead of each
 // other as far as the protocol lets them.
@@ -654,7 +654,7 @@ class Rank {
     };
   }
 
-  // Normal mode as cuda_backend's dispatch_send / wait / unpack_rows / combine_send /
+  // Normal mode as transport.cuda's dispatch_send / wait / unpack_rows / combine_send /
   // combine_recv: host counts, compacted rows, optionally the copy-engine path.
   void normal(const Step& s) {
     Send in = inputs(s);
@@ -703,7 +703,7 @@ class Rank {
     dump_send_side(s, in);
   }
 
-  // cuda_backend.abort: publish abort flags, then still receive the call (tolerant wait).
+  // transport.cuda abort: publish abort flags, then still receive the call (tolerant wait).
   void abort_call(const Step& s, uint32_t op, int family) {
     Dev ticket(sizeof(pc::CallTicket)), counts(static_cast<size_t>(W()) * 4);
     tx_.abort(ticket.as<pc::CallTicket>(), op, family, stream_);

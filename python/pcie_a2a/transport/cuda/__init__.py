@@ -1,6 +1,5 @@
 """The CUDA transport (peer-to-peer over CUDA IPC, or staged through pinned host memory)
 behind ``Buffer(backend="cuda")``: the :class:`pcie_a2a.transport.Transport` interface.
-(``pcie_a2a.cuda_backend``, its old name, is this package.)
 
 NOT YET RUN ON A GPU: everything here and in ``csrc/cuda/transport`` runs in CI only on
 the CPU model of CUDA (tests/test_cuda_transport_emulation.py); ``tests/test_cuda_transport.py``
