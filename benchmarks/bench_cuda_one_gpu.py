@@ -173,7 +173,7 @@ def copy_bandwidth(mib: int, iters: int = 20) -> dict:
     return {"bytes": n, "iters": iters, "median_s": med, "gbps": n / med / 1e9}
 
 
-# ---- one rank (runs in a spawned process; see tests/dist_utils.py) -----------------------
+# ---- one rank (runs in a spawned process, as the multi-process tests run theirs) -------
 def _rank_inputs(rank: int):
     import torch
 

@@ -6,7 +6,7 @@ kills and the result files without a GPU.
     gpu_check_fake.py KIND STEP WORK [EXTRA...]
 
 A pytest step of several members (a group: EXTRA is the results file, then the member
-names) runs each member's behaviour in turn, in one process, as tests/test_<member>.py.
+names) runs each member's behaviour in turn, in one process, as that member's own test file would.
 
 GPU_CHECK_FAKE="step=behaviour[:seconds],..." says what each step does (default ok:0.05):
   ok            sleep, print a few lines, exit 0 (pytest: 2 passed; preflight: one fake

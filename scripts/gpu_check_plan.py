@@ -3,7 +3,7 @@ them, and facts about the source tree the steps need (see gpu_check.py).
 
 A step's ``cap`` is the seconds planned for it; the caps of the steps a one-GPU machine
 runs (not the optional ones: the benchmarks, in time left over) plus RESERVE_S must fit
-BUDGET_S, which ``--plan`` checks and tests/test_gpu_check.py asserts. ``min_s``: a step
+BUDGET_S, which ``--plan`` checks (and a test asserts, so an added step cannot overrun). ``min_s``: a step
 is not started with less. Steps of one ``group`` (serial pytest steps) run in one pytest
 process: one torch import and one CUDA context for all of them, a row each.
 """

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs the pinned SGLang and vLLM releases *without* their GPU dependencies, plus the
 # small set of packages their MoE/plugin modules need to import on a CPU-only machine, into
-# the CURRENT Python environment (activate a venv first). Used by tests/framework.
+# the CURRENT Python environment (activate a venv first). Used by the framework tests.
 #
 #   scripts/install_framework_test_deps.sh            # both frameworks
 #   scripts/install_framework_test_deps.sh sglang     # only SGLang

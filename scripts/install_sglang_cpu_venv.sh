@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Creates a virtual environment in which SGLang 0.5.23's CPU engine can run a real
-# `python -m sglang.launch_server` for tests/framework/test_sglang_server.py.
+# `python -m sglang.launch_server` for the real-server framework test.
 #
 #   scripts/install_sglang_cpu_venv.sh DIR     # then PCIE_A2A_SGLANG_CPU_PYTHON=DIR/bin/python
 #

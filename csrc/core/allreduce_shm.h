@@ -39,7 +39,7 @@ class ShmAllReduce {
  public:
   // end_barrier: publish and await kDone flags at the end of every call. buffers == 1 is
   // safe only with the barrier (allreduce_wire.h); the combination without it exists to
-  // show the invariant break (tests/test_allreduce_protocol.py) and Python never makes it.
+  // show the invariant break in tests, and Python never makes it.
   ShmAllReduce(std::string prefix, int32_t rank, const Config& config, bool end_barrier);
   ~ShmAllReduce();
   ShmAllReduce(const ShmAllReduce&) = delete;

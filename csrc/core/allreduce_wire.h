@@ -66,8 +66,8 @@
 //   CUDA-graph trap (field_2026.md section 3: a barrier-free fused all-reduce corrupted hidden
 //   states under replay) is a parity or call number frozen into the captured kernel arguments: here
 //   both come from device memory the kernels advance (see cuda/allreduce/device.cuh).
-//   tests/test_allreduce_protocol.py breaks the invariant on the CPU (single buffer, no barrier)
-//   and tests/test_allreduce_emulation.py on the CUDA kernels (parity removed; barrier removed),
+//   Tests break the invariant on the CPU (single buffer, no barrier)
+//   and in the emulation of the CUDA kernels (parity removed; barrier removed),
 //   both by delaying one rank's reads.
 //
 // Aborts. A rank that raises before call n publishes kAbortInfo in every phase and block
@@ -77,7 +77,7 @@
 // the aborting rank, having finished call n - 1 (which needs only that its peers *sent*
 // call n - 1), runs call n + 1 at once and overwrites the flags and data of parity
 // (n - 1) % 2 before a slow peer has read them: two calls ahead, a wrong sum or a timeout
-// (tests/test_allreduce_protocol.py, the w2_abort_skew emulation scenario). The wait costs a
+// (the w2_abort_skew emulation scenario shows it). The wait costs a
 // bad call the time until its peers arrive (at most the timeout).
 #pragma once
 

@@ -5,7 +5,7 @@
 // bytes (round to nearest even everywhere). The fp8 encoder saturates at +-448 instead
 // of producing NaN: a saturated value is a bounded error, a NaN poisons an expert's
 // whole output row. For |v| <= 448 it equals torch's float8_e4m3fn cast bit for bit
-// (tests/test_numeric.py checks every float of a dense sweep).
+// (checked on every float of a dense sweep).
 #pragma once
 
 #include <cstdint>

@@ -73,13 +73,12 @@
 // consumed lines in its own memory with a deadline, the call that last used each parity is
 // kept in DeviceState so graph replays keep it, the last receive block stores consumed).
 // Host-staged CUDA pairs always push.
-// The tests that break it: tests/test_protocol.py::test_reuse_invariant_breaks_without_parity
-// (push: a sender two calls ahead with a single parity, the receiver reads the wrong rows),
-// tests/test_pull_protocol.py (pull: a sender two calls ahead of a slow reader times out
-// naming it, and with the consumed wait switched off it overwrites the rows being read;
-// a reader storing the wrong consumed epoch makes the sender time out), and for the CUDA
-// kernels tests/test_cuda_transport_emulation.py::test_emulation_catches_mutations on the
-// scenario w2_pull_two_in_flight_slow (two dispatches in flight, a slow peer): the consumed
+// Why each part is needed, as the tests that remove it show: push with a single parity and
+// a sender two calls ahead, the receiver reads the wrong rows; pull with the consumed wait
+// switched off, a sender two calls ahead of a slow reader overwrites the rows being read
+// (with it, the sender times out naming the reader), and a reader storing the wrong consumed
+// epoch makes the sender time out; in the CUDA kernels, on the emulated scenario
+// w2_pull_two_in_flight_slow (two dispatches in flight, a slow peer): the consumed
 // wait removed, the consumed flag checked for the wrong call, or the ready flag not
 // acquired, and the rows or flags a slow reader has not read yet are overwritten.
 #pragma once

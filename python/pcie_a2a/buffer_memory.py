@@ -1,8 +1,9 @@
 """What a Buffer's transport allocates per rank, from the wire format's own formulas
 (csrc/core/wire_format.h: ``dispatch_slot_layout``, ``combine_slot_bytes``,
 ``segment_layout``, ``add_staged_progress``), without building one: ``pcie-a2a plan`` and
-``Buffer.memory_bytes()`` both call :func:`transport_memory`. tests/test_buffer_memory.py
-checks these numbers against the segments the native transports really allocate.
+``Buffer.memory_bytes()`` both call :func:`transport_memory`. They must equal what the
+native transports really allocate (a test compares them with the live segments), or the
+planner's memory check would pass configurations that do not fit.
 
 Per rank:
 

@@ -2,7 +2,7 @@
 //
 // The library never aborts (core/exception.h): a failed runtime call or kernel launch becomes
 // pa2a::Error (kRuntime, RuntimeError in Python) naming the call and CUDA's error. Torch-free;
-// the CPU execution model (tests/native/emu) provides the runtime these use.
+// the CPU execution model of CUDA provides the runtime these use.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -1,7 +1,7 @@
 // The device primitives the INT4 GEMM is written against: inline PTX (cp.async, lop3,
 // prmt, ldmatrix, mma.sync, griddepcontrol), the paired fma and the dynamic shared memory.
 // Everything else in gemm_kernel.cuh and schedule.cuh is plain C++ over these functions, so
-// tests/native/moe_int4_emu/ can substitute a host implementation of exactly this header (one fiber
+// the CPU emulation can substitute a host implementation of exactly this header (one fiber
 // per CUDA thread, cp.async groups that land only at wait_group, the warp-collective mma built from
 // the PTX fragment tables) and run the kernel source on the CPU. Keep every PTX statement of the
 // GEMM here, with the same signatures as the emulation's copy.

@@ -37,7 +37,7 @@
 // inside the 99 KB per-block opt-in of sm_86/89/120; moe_int4_run checks it.
 //
 // The PTX lives in device_ops.cuh and the launch in gemm_launch.cuh, so this file is plain
-// C++ over a few primitives: tests/test_quant_kernel_source_emulation.py compiles it (and
+// C++ over a few primitives: the kernel-source emulation compiles it (and
 // schedule.cuh) for the host and runs it against the Python packer and reference.
 #pragma once
 

@@ -8,7 +8,7 @@
 // fetch them with one 16-byte load per tile, and makes a tile 512 contiguous bytes.
 //
 // Invariants (each mirrored 1:1 by the Python constant or function of the same name;
-// tests/test_quant_layout.py checks the constants textually, and dequantises the layout
+// a test checks the constants textually, and dequantises the layout
 // through a lane-by-lane emulation written from the PTX fragment table):
 //  * qweight word index of (k-tile kt, n-tile nt, lane, word j):
 //      (kt * n_tiles + nt) * 128 + lane * 4 + j

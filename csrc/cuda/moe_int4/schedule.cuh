@@ -1,7 +1,7 @@
 // Device-side schedule (expert counts -> pair lists and tiles, no host sync; rows layout:
 // also which rows have a local expert) and the act-order gather of the INT4 MoE. Device
-// code only; moe_int4.cu launches it. Plain C++ over CUDA built-ins, so the host emulation test
-// (tests/test_quant_kernel_source_emulation.py) compiles and runs this same source.
+// code only; moe_int4.cu launches it. Plain C++ over CUDA built-ins, so the host emulation of the
+// kernel source compiles and runs this same source.
 #pragma once
 
 #include <cuda_runtime.h>

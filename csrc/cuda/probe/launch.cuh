@@ -1,5 +1,5 @@
 // How the probe's launchers start a kernel: `kernel<<<grid, block, smem, stream>>>(args...)`,
-// in one function so that the CPU emulation (tests/native/probe_emu) can replace this header
+// in one function so that the probe's CPU emulation can replace this header
 // with its own version (same name and signature) that runs the grid on fibers.
 #pragma once
 

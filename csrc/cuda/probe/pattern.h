@@ -1,5 +1,5 @@
 // The probe's known-answer pattern, one definition for the kernels that write it and the
-// host code that checks it (and tests/probe_synthetic.py's gate_pattern, which mirrors it).
+// host code that checks it (the synthetic probe's Python gate pattern mirrors it).
 //
 // Word k of a buffer is a 32-bit mix of (seed, k), stored little endian. Every transfer of
 // the gate gets its own seed (source, destination, mode), so bytes that land in the wrong

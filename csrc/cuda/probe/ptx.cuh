@@ -1,4 +1,4 @@
-// The probe kernels' inline PTX, in one place (the CPU emulation in tests/native/probe_emu
+// The probe kernels' inline PTX, in one place (the probe's CPU emulation
 // replaces this header with C++ atomics of the same orderings, as the transport's does).
 // System scope because the other side of every access is another GPU.
 #pragma once

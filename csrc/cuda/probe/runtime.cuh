@@ -1,5 +1,5 @@
 // The multi-device CUDA runtime calls of the probe's host code, as thin wrappers, so that the
-// CPU emulation (tests/native/probe_emu) can stand in N fake devices for them (its fake
+// probe's CPU emulation can stand in N fake devices for them (its fake
 // runtime has one device). Everything else the probe calls is the plain runtime API.
 #pragma once
 

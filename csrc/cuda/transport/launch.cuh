@@ -1,6 +1,6 @@
 // How the launchers of the kernels_*.cu files start a kernel: one function instead of the
 // chevrons at every call site so that the CPU emulation of the kernels
-// (tests/native/transport_emu) can run the real launchers with its own version of this
+// can run the real launchers with its own version of this
 // header (same name, same signature), which runs the grid on fibers in the calling process.
 //
 // pdl: programmatic dependent launch (cudaLaunchAttributeProgrammaticStreamSerialization,

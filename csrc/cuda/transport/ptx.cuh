@@ -4,7 +4,7 @@
 // stores cumulative before a flag, %globaltimer, %lanemask_lt and the dynamic shared
 // memory base. Why each ordering is what it is: device_protocol.cuh.
 //
-// The CPU emulation of the kernels (tests/native/transport_emu) replaces this header with
+// The CPU emulation of the kernels replaces this header with
 // one of the same functions and signatures on C++ atomics with the same orderings, so
 // the kernel sources run unchanged there; nothing else in csrc/cuda/transport may use asm.
 #pragma once

@@ -32,7 +32,7 @@
 //     the rows, the lanes exchange the answer with a shuffle or ballot and then __syncwarp:
 //     a shuffle orders no memory in the PTX model; bar.warp.sync does, so the acquiring
 //     lane's acquire is ordered before every lane's reads (the CPU emulation poisons a row
-//     from its mark's acquire until that barrier, tests/native/transport_emu).
+//     from its mark's acquire until that barrier, so a missing barrier shows there).
 // A mark or a line counts only when it holds the call number of the running call (seq is
 // unique per call), so a word left by an earlier call is never taken for this one. Every
 // wait has the deadline and error word of device_protocol.cuh; the waits for an early line

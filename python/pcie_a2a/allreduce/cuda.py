@@ -2,8 +2,8 @@
 CUDA IPC, the kernels of ``csrc/cuda/allreduce``.
 
 NOT YET RUN ON A GPU: the kernels and the host class run in CI only in the CPU model of
-CUDA (tests/test_allreduce_emulation.py); tests/test_allreduce_gpu.py and
-``benchmarks/bench_allreduce_one_gpu.py`` are the first GPU checks.
+CUDA; the GPU all-reduce test and ``benchmarks/bench_allreduce_one_gpu.py`` are the first
+GPU checks.
 
 Calls only enqueue on the current stream (capturable in a CUDA graph); a failure a kernel
 saw (a peer that timed out, aborted or disagrees) is raised by the next call or by

@@ -1,7 +1,7 @@
 """Where each rank runs, and which process group it uses, for ``--backend cpu|cuda``.
 
 The decisions are pure functions of (backend, GPUs visible, ranks on this node) so they
-are tested without a GPU (tests/test_bench_cuda_args.py):
+are tested without a GPU:
 
 * ``cpu``: gloo; tensors on the host; the CPU shared-memory transport.
 * ``cuda``: rank r uses GPU ``r % device_count``. With a GPU per rank the group is NCCL,

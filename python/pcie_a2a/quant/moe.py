@@ -327,7 +327,7 @@ def _launch_fields(
     Values are ints, or tensors standing for their ``data_ptr()`` (``None`` for 0).
     Per-call scratch comes from ``empty(*shape, dtype=...)`` on the target device (no
     zeroing), the persistent zeroed scratch from ``workspace``. The CUDA path and the host
-    emulation of the kernel source (tests/test_quant_kernel_source_emulation.py) both build
+    emulation of the kernel source both build
     their arguments here, so the emulation runs with exactly the sizes the GPU gets.
     """
     e = w13.num_experts

@@ -1,6 +1,6 @@
 """Parsers for ``nvidia-smi topo -m`` and ``nvidia-smi topo -p2p r|w|n|a|p`` text.
 
-Accepted layouts, all seen in published dumps (see tests/fixtures/topology):
+Accepted layouts, all seen in published dumps (kept as topology fixtures):
 tab-separated (nvidia-smi's own output, with its extra empty field before ``GPU NUMA ID``),
 space-aligned (fixed 8-character columns, where an empty ``CPU Affinity`` cell under a
 cgroup shows up only as blank space, so tail columns are cut at the header's offsets),

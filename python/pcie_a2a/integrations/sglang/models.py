@@ -30,7 +30,7 @@ import threading
 from typing import Any
 
 #: MoE block classes whose shared-expert handling under the pcie backend was read
-#: against SGLang 0.5.23 and is tested (tests/framework/test_sglang_models.py), mapped
+#: against SGLang 0.5.23 and is tested against that version's blocks, mapped
 #: to the MLP class their shared expert is built from (None: handled otherwise).
 VALIDATED_BLOCKS: dict[str, str | None] = {
     "sglang.srt.models.deepseek_v2.DeepseekV2MoE": None,

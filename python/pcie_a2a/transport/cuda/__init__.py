@@ -2,8 +2,8 @@
 behind ``Buffer(backend="cuda")``: the :class:`pcie_a2a.transport.Transport` interface.
 
 NOT YET RUN ON A GPU: everything here and in ``csrc/cuda/transport`` runs in CI only on
-the CPU model of CUDA (tests/test_cuda_transport_emulation.py); ``tests/test_cuda_transport.py``
-and ``scripts/gpu_check.sh`` are the first GPU check (see docs/cuda_transport.md).
+the CPU model of CUDA; the GPU transport tests run by ``scripts/gpu_check.sh`` are the
+first GPU check (see docs/cuda_transport.md).
 
 :class:`CudaTransport` implements the methods the Buffer calls on every transport
 (:mod:`pcie_a2a.transport.base`), taking CUDA tensors on this transport's device.
@@ -29,8 +29,8 @@ and the calls Buffer makes), :mod:`.calls` (the graph-capturable ``*_async`` cal
 CUDA runs before its first call).
 
 ``native``, ``_device``, ``device_uuid``, ``cuda_bus_id`` and ``topology_rank_plan`` are
-looked up here, on the package, when they are used: the tests and the CUDA execution model
-(tests/cuda_emu_module.py) replace them on this module.
+looked up here, on the package, when they are used: the tests and the CPU model of CUDA
+replace them on this module.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What every part of the CUDA transport shares: the pair codes, the compiled module, the
 tensor checks and the device names. ``native``, ``_device`` and ``device_uuid`` are looked
 up through the package (``pcie_a2a.transport.cuda``) by the other modules, so that the
-tests and the CUDA execution model (tests/cuda_emu_module.py) replace them in one place."""
+tests and the CPU model of CUDA replace them in one place."""
 
 from __future__ import annotations
 
