@@ -891,17 +891,38 @@ class Buffer:
             raise _fail(TypeError, "y.dtype", y.dtype, f"{self.dtype} (the Buffer's dtype)")
         return y
 
-    def _combine(self, seq, op, parity, rows: torch.Tensor, handle: DispatchHandle, hook=False):
+    def _check_out(self, out: Any, num_tokens: int) -> torch.Tensor | None:
+        if out is None:
+            return None
+        out = self._check_tensor(out, "out")
+        if tuple(out.shape) != (num_tokens, self.hidden):
+            raise _fail(
+                ValueError,
+                "out.shape",
+                tuple(out.shape),
+                f"[{num_tokens}, {self.hidden}]: one row per token of the dispatch",
+            )
+        if out.dtype != self.dtype:
+            raise _fail(TypeError, "out.dtype", out.dtype, f"{self.dtype} (the Buffer's dtype)")
+        return out
+
+    def _combine(self, seq, op, parity, rows, handle: DispatchHandle, hook=False, out=None):
         # recv_count_host (normal mode): a copy-engine path sizes its copies on the host
         self._transport.combine_send(
             seq & 0xFFFFFFFF, op, parity, rows, handle.recv_count, handle.row_base,
             handle.recv_count_host, handle.row_base_host,
         )  # fmt: skip
-        return self._combine_receive(seq, op, parity, handle, hook)
+        return self._combine_receive(seq, op, parity, handle, hook, out)
 
-    def _combine_receive(self, seq, op, parity, handle: DispatchHandle, hook: bool):
+    def _combine_receive(self, seq, op, parity, handle: DispatchHandle, hook: bool, out=None):
         def receive() -> torch.Tensor:
-            out = torch.empty(handle.num_tokens, self.hidden, dtype=self.dtype, device=self.device)
+            # every row is written (a token routed nowhere gets zeros), so a caller's
+            # tensor needs no clearing and an empty one is as good
+            if out is None:
+                dst = torch.empty(handle.num_tokens, self.hidden, dtype=self.dtype,
+                                  device=self.device)  # fmt: skip
+            else:
+                dst = out
             self._protocol(
                 self._transport.combine_recv,
                 seq & 0xFFFFFFFF,
@@ -911,19 +932,23 @@ class Buffer:
                 handle.send_token,
                 handle.send_count,
                 handle.num_tokens,
-                out,
+                dst,
             )
             self._record()
-            return out
+            return dst
 
         return self._with_hook(receive, hook, "low_latency_combine", seq)
 
-    def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+    def combine(
+        self, y: torch.Tensor, handle: DispatchHandle, *, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Returns ``[T, H]`` in the Buffer dtype: for each token, the fp32 sum (in ascending
         rank order) of the rows its destination ranks return.
 
         ``y [R, H]``: one row per received row of the dispatch, already weighted by the
         routing weights and summed over that rank's local experts of the row.
+        ``out``: a contiguous ``[T, H]`` tensor of the Buffer's dtype and device (not ``y``)
+        that receives the result, which is then returned (no allocation, no copy).
         """
         from pcie_a2a.pieces import PiecesHandle
 
@@ -931,28 +956,37 @@ class Buffer:
             self._check_usable()
             self._check_handle(handle, "normal")
             y = self._check_y(y, (sum(handle.recv_count_host), self.hidden))
+            out = self._check_out(out, handle.num_tokens)
             from pcie_a2a import pieces
 
-            return pieces.combine(self, y, handle)
-        return self._combine_one(y, handle)
+            return pieces.combine(self, y, handle, out)
+        return self._combine_one(y, handle, out)
 
-    def _combine_one(self, y, handle) -> torch.Tensor:
+    def _combine_one(self, y, handle, out=None) -> torch.Tensor:
         seq, parity = self._begin(_OP_COMBINE)
         handle = self._guard(seq, _OP_COMBINE, self._check_handle, handle, "normal")
         host = handle.recv_count_host
         total = sum(host) if host is not None else int(handle.recv_count.sum())
         y = self._guard(seq, _OP_COMBINE, self._check_y, y, (total, self.hidden))
-        return self._combine(seq, _OP_COMBINE, parity, y, handle)
+        out = self._guard(seq, _OP_COMBINE, self._check_out, out, handle.num_tokens)
+        return self._combine(seq, _OP_COMBINE, parity, y, handle, out=out)
 
     def low_latency_combine(
-        self, y: torch.Tensor, handle: DispatchHandle, *, return_recv_hook: bool = False
+        self,
+        y: torch.Tensor,
+        handle: DispatchHandle,
+        *,
+        return_recv_hook: bool = False,
+        out: torch.Tensor | None = None,
     ):
         """Low-latency combine. With the ``rows`` layout ``y [world, max_tokens, H]`` holds
         weighted, summed rows as in :meth:`combine`. With ``expert_major``,
         ``y [E_local, world * max_tokens, H]`` holds *unweighted* expert outputs: this rank
         applies the routing weights and sums each row's experts (fp32) before sending.
         ``return_recv_hook=True``: sends now, returns a hook that receives and returns the
-        output (as in :meth:`low_latency_dispatch`).
+        output (as in :meth:`low_latency_dispatch`). ``out`` as in :meth:`combine`
+        (DeepEP's ``low_latency_combine(out=)``): the result lands there, with or without
+        a hook.
         """
         seq, parity = self._begin(_OP_LL_COMBINE)
         op = _OP_LL_COMBINE
@@ -960,8 +994,10 @@ class Buffer:
         w, m = self.world, self.max_tokens_per_rank
         if handle.layout == "rows":
             y = self._guard(seq, op, self._check_y, y, (w, m, self.hidden))
-            return self._combine(seq, op, parity, y, handle, return_recv_hook)
+            out = self._guard(seq, op, self._check_out, out, handle.num_tokens)
+            return self._combine(seq, op, parity, y, handle, return_recv_hook, out)
         y = self._guard(seq, op, self._check_y, y, (self.num_local_experts, w * m, self.hidden))
+        out = self._guard(seq, op, self._check_out, out, handle.num_tokens)
         # CUDA: the weighted pre-reduction fused into the push (one kernel); CPU: reduce, send
         self._transport.combine_send_expert_major(
             seq & 0xFFFFFFFF,
@@ -974,7 +1010,7 @@ class Buffer:
             handle.row_experts,
             handle.row_weights,
         )
-        return self._combine_receive(seq, op, parity, handle, return_recv_hook)
+        return self._combine_receive(seq, op, parity, handle, return_recv_hook, out)
 
 
 def _check_pair_direction(direction: Any, world: int) -> tuple[tuple[str, ...], ...] | None:

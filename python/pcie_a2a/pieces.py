@@ -102,10 +102,18 @@ def _merge(buf, parts: list[DispatchResult], tokens: int, c: int) -> DispatchRes
     )  # fmt: skip
 
 
-def combine(buf, y: torch.Tensor, handle: PiecesHandle) -> torch.Tensor:
-    """``y`` rows in the merged order back into each piece's order, one combine per piece."""
+def combine(buf, y: torch.Tensor, handle: PiecesHandle, out=None) -> torch.Tensor:
+    """``y`` rows in the merged order back into each piece's order, one combine per piece;
+    with ``out``, each piece lands in its own rows of it (a row range of a contiguous
+    tensor is contiguous)."""
     flat = torch.empty_like(y)
     flat[handle.order] = y
-    outs = [buf._combine_one(part, handle.pieces[i])
-            for i, part in enumerate(torch.split(flat, handle.piece_rows))]  # fmt: skip
-    return torch.cat(outs)
+    parts = torch.split(flat, handle.piece_rows)
+    if out is None:
+        return torch.cat([buf._combine_one(p, handle.pieces[i]) for i, p in enumerate(parts)])
+    lo = 0
+    for i, part in enumerate(parts):
+        n = handle.pieces[i].num_tokens
+        buf._combine_one(part, handle.pieces[i], out[lo : lo + n])
+        lo += n
+    return out

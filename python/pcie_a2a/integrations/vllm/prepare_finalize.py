@@ -177,6 +177,13 @@ def quantize_input(a: torch.Tensor, quant_config: Any) -> tuple[torch.Tensor, An
     return utils.moe_kernel_quantize_input(a, scale, **kwargs)
 
 
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two contiguous tensors share memory (vLLM may hand finalize an ``output``
+    that is a view of its workspace)."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
 def placement_from_expert_maps(maps: list[list[int]], num_experts: int) -> Placement:
     """Every rank's ``expert_map`` (global id -> local index, -1 = elsewhere) as one
     Placement; each expert must live on exactly one rank."""
@@ -491,9 +498,19 @@ class PcieA2APrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
                 apply_router_weight_on_input=apply_router_weight_on_input,
             )
         rows = _common.stage_in(buf, y, "expert output").to(buf.dtype).contiguous()
+        # straight into vLLM's output when the Buffer can write it (the CUDA path: no copy
+        # launch); otherwise (host staging, another dtype, a strided view) through a copy
+        direct = (
+            output.device == buf.device
+            and output.dtype == buf.dtype
+            and output.is_contiguous()
+            and not _overlap(output, rows)
+        )
+        into = output if direct else None
         if low_latency:
             rows = rows.view(buf.world, buf.max_tokens_per_rank, rows.shape[-1])
-            out = buf.low_latency_combine(rows, handle)
+            out = buf.low_latency_combine(rows, handle, out=into)
         else:
-            out = buf.combine(rows, handle)
-        output.copy_(out)  # copy_ crosses devices and casts itself
+            out = buf.combine(rows, handle, out=into)
+        if not direct:
+            output.copy_(out)  # copy_ crosses devices and casts itself
