@@ -13,11 +13,11 @@ from pcie_a2a.configplan import ask
 from pcie_a2a.configplan.api import Inputs, make_plan
 from pcie_a2a.configplan.calibrate import calibration_env
 from pcie_a2a.configplan.configs import Config
-from pcie_a2a.configplan.gpus import GPUS
 from pcie_a2a.configplan.memory import memory, weights_per_gpu
 from pcie_a2a.configplan.models import load_model
 from pcie_a2a.configplan.stacks import STACKS, load_stack
 from pcie_a2a.configplan.tables import Tables
+from pcie_a2a.gpus import GPUS
 from topology_fixtures import FIXTURES
 
 BOX = "8x-rtxpro6000-dual-epyc9575f-broadcom-pex890xx"

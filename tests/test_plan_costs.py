@@ -15,7 +15,6 @@ from pcie_a2a.configplan import comm
 from pcie_a2a.configplan.calibrate import calibration_env
 from pcie_a2a.configplan.configs import Config
 from pcie_a2a.configplan.exchange import Exchanges, dispatch_row_bytes
-from pcie_a2a.configplan.gpus import GPUS
 from pcie_a2a.configplan.imbalance import (
     from_counts,
     pick_probabilities,
@@ -31,6 +30,7 @@ from pcie_a2a.configplan.predict import step
 from pcie_a2a.configplan.stacks import STACKS
 from pcie_a2a.configplan.tables import KB, MB, Curve, Tables
 from pcie_a2a.configplan.topo import synthetic_topology
+from pcie_a2a.gpus import GPUS
 from pcie_a2a.topology import Traffic, expected_distinct_ranks, plan
 
 H, I, L, E, K, V = 7168, 2048, 61, 384, 8, 163840

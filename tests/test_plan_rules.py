@@ -10,11 +10,11 @@ import pytest
 
 from pcie_a2a.configplan import launch
 from pcie_a2a.configplan.configs import Config, candidates
-from pcie_a2a.configplan.gpus import GPUS
 from pcie_a2a.configplan.memory import memory, stage_layers, weights_per_gpu
 from pcie_a2a.configplan.models import from_hf_config, load_model
 from pcie_a2a.configplan.rules import reasons
 from pcie_a2a.configplan.stacks import GIB, STACKS
+from pcie_a2a.gpus import GPUS
 
 PRO = GPUS["rtx-pro-6000"]
 VLLM, SGL = STACKS["vllm-tuned"], STACKS["sglang-stock"]

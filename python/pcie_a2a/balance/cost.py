@@ -27,15 +27,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..gpus import GPUS as GPU_TABLE
+
 _TILE_ROWS = 16
 _POISSON_MAX = 48  # mean rows above which the cost of the mean is used (curve ~ linear)
 
-# GPU: (HBM GB/s, dense bf16 tensor TFLOP/s with fp32 accumulation), spec-sheet figures.
+# GPU: (DRAM GB/s, dense bf16 tensor TFLOP/s with fp32 accumulation), from the one table.
 GPUS: dict[str, tuple[float, float]] = {
-    "rtx-pro-6000": (1792.0, 500.0),
-    "rtx-5090": (1792.0, 209.5),
-    "rtx-4090": (1008.0, 165.2),
-    "l40s": (864.0, 362.0),
+    k: (float(g.bandwidth_gbps), g.peak_tflops("bf16")) for k, g in GPU_TABLE.items()
 }
 # Fractions of those reached by the INT4 kernel (estimates until measured).
 BANDWIDTH_EFFICIENCY = 0.80

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..gpus import Gpu, get_gpu, identify
 from . import topo as topo_src
 from .calibrate import fit
 from .exchange import Exchanges
-from .gpus import Gpu, get_gpu, identify
 from .imbalance import Routing, load_routing, zipf
 from .measured import Measured, read_bench, read_probe
 from .models import ModelShape, load_model

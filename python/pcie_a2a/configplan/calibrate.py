@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from ..gpus import GPUS
 from .configs import Config
 from .exchange import Exchanges
-from .gpus import GPUS
 from .imbalance import uniform
 from .measured import Measured
 from .memory import memory

@@ -8,7 +8,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .gpus import GPUS
+from ..gpus import GPUS
 from .models import BUILTIN
 from .stacks import STACKS
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from pcie_a2a.topology import estimates
 
-from .gpus import Gpu
+from ..gpus import Gpu
 from .tables import KB, MB, Tables
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "alltoall")

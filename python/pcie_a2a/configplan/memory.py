@@ -13,8 +13,8 @@ from dataclasses import dataclass, replace
 
 from pcie_a2a.buffer_memory import transport_memory
 
+from ..gpus import Gpu
 from .configs import Config
-from .gpus import Gpu
 from .models import ModelShape
 from .stacks import GIB, Stack
 

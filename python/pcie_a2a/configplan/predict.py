@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..gpus import Gpu
 from . import comm as cm
 from .configs import Config
 from .exchange import Exchanges
-from .gpus import Gpu
 from .imbalance import Routing, place, rank_load
 from .memory import ceil_div, dense_split, stage_layers
 from .models import ModelShape, WeightFormat

@@ -27,8 +27,8 @@ import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from ..gpus import Gpu
 from .configs import Config
-from .gpus import Gpu
 
 GIB = float(1 << 30)
 

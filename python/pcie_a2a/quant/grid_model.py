@@ -101,12 +101,32 @@ class Gpu:
     l2_latency_us: float = 0.3  # a load that hits L2 (data the previous kernel wrote)
 
 
+def _gpu_table() -> dict:
+    """pcie_a2a/gpus.py, the one GPU table (by path when this file was loaded by path)."""
+    if __package__:
+        from .. import gpus
+
+        return gpus.GPUS
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "_pa2a_gpus", Path(__file__).resolve().parents[1] / "gpus.py"
+    )
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up while the file runs
+    spec.loader.exec_module(mod)
+    return mod.GPUS
+
+
+# Keyed as the table with underscores (rtx_pro_6000); the GPUs the table gives an arch.
 GPUS = {
-    "rtx_pro_6000": Gpu("RTX PRO 6000", "sm_120", 188, 1792.0, 2.4, 0.8, 128),
-    "rtx_5090": Gpu("RTX 5090", "sm_120", 170, 1792.0, 2.4, 0.8, 96),
-    "rtx_4090": Gpu("RTX 4090", "sm_89", 128, 1008.0, 2.5, 0.8, 72),
-    "l40s": Gpu("L40S", "sm_89", 142, 864.0, 2.4, 0.8, 96),
-    "h200": Gpu("H200", "sm_90", 132, 4800.0, 1.8, 0.7, 50),
+    k.replace("-", "_"): Gpu(
+        g.name, g.arch, g.sms, float(g.bandwidth_gbps), g.clock_ghz, g.dram_latency_us, g.l2_mb
+    )
+    for k, g in _gpu_table().items()
+    if g.arch in ARCHS
 }
 
 

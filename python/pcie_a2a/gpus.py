@@ -1,11 +1,22 @@
-"""The GPU table: memory, memory bandwidth, dense tensor throughput per dtype, PCIe
-generation, and where each number comes from.
+"""The one GPU table: memory, memory bandwidth, dense tensor throughput per dtype, PCIe
+generation, the SM count, L2 and clock the INT4 kernel's grid model needs, and where each
+number comes from. ``pcie-a2a plan`` (:mod:`.configplan`), the balancer's cost
+(:mod:`.balance.cost`) and the grid model (:mod:`.quant.grid_model`) all read it.
 
 Tensor throughput is the *dense* (no 2:4 sparsity) peak with fp32 accumulation, the mode
 serving kernels use; a dtype the GPU has no tensor-core path for is absent (the kernels then
 run that weight format on the bf16 path: FP8 weights as W8A16 Marlin on Ampere). Memory is
 the marketed capacity read as GiB (the chips are binary-sized); the serving frameworks'
-reserves (:mod:`.stacks`) come off it.
+reserves (:mod:`.configplan.stacks`) come off it.
+
+The grid model's fields (``arch`` to ``dram_latency_us``) are None for a GPU whose
+architecture the model has no occupancy table for. SM counts and L2 sizes are the
+whitepapers'; the clock is an estimate of the sustained SM clock under a memory-bound load,
+below the spec boost clock named in ``grid_source``, and the DRAM latency under load is an
+estimate too (no measurement on these GPUs).
+
+No imports from the package: scripts load the grid model, and with it this file, by path
+(without torch).
 """
 
 from __future__ import annotations
@@ -24,6 +35,12 @@ class Gpu:
     p2p: str  # what the stock driver allows between two of these boards
     source: str
     names: tuple[str, ...] = ()  # substrings of the marketing name that identify it
+    arch: str | None = None  # compute capability as the kernels' sm_XY
+    sms: int | None = None
+    l2_mb: int | None = None
+    clock_ghz: float | None = None  # sustained SM clock under load (estimate)
+    dram_latency_us: float | None = None  # under load (estimate)
+    grid_source: str = ""
 
     def peak_tflops(self, dtype: str) -> float:
         table = dict(self.tflops)
@@ -31,6 +48,11 @@ class Gpu:
 
     def has(self, dtype: str) -> bool:
         return dtype in dict(self.tflops)
+
+    @property
+    def grid_modelled(self) -> bool:
+        """Whether the INT4 kernel's grid model has this GPU's SMs, L2 and clock."""
+        return self.arch is not None
 
 
 GPUS: dict[str, Gpu] = {
@@ -50,6 +72,14 @@ GPUS: dict[str, Gpu] = {
             "1000, BF16 500 (Blackwell tensor-core ratios 1:2:4; fp32 accumulate at full rate "
             "on the professional part); PCIe Gen5 x16",
             ("rtx pro 6000", "rtx 6000 pro", "rtxpro6000", "rtx6kpro"),
+            "sm_120",
+            188,
+            128,
+            2.4,
+            0.8,
+            "NVIDIA RTX Blackwell GPU architecture whitepaper / RTX PRO 6000 Blackwell spec page: "
+            "188 SMs (24,064 CUDA cores), 128 MB L2, boost 2.617 GHz (2.4 sustained: estimate); "
+            "GDDR7 latency under load 0.8 us (estimate)",
         ),
         Gpu(
             "rtx-5090",
@@ -64,6 +94,14 @@ GPUS: dict[str, Gpu] = {
             "accumulate 419 dense, 3352 AI TOPS (FP4 sparse); PCIe Gen5 x16; P2P: "
             "research/topology_numa.md (GeForce GNS)",
             ("5090",),
+            "sm_120",
+            170,
+            96,
+            2.4,
+            0.8,
+            "NVIDIA RTX Blackwell GPU architecture whitepaper (RTX 5090): 170 SMs (21,760 CUDA "
+            "cores), 96 MB L2 (98,304 KB), boost 2.41 GHz (2.4 sustained: estimate); GDDR7 latency"
+            " under load 0.8 us (estimate)",
         ),
         Gpu(
             "rtx-4090",
@@ -77,6 +115,14 @@ GPUS: dict[str, Gpu] = {
             "FP16/BF16 tensor with FP32 accumulate 165.2 dense, FP8 with FP32 accumulate 330.3 "
             "dense; PCIe Gen4 x16",
             ("4090",),
+            "sm_89",
+            128,
+            72,
+            2.5,
+            0.8,
+            "NVIDIA Ada Lovelace architecture whitepaper (RTX 4090): 128 SMs (16,384 CUDA cores), "
+            "72 MB L2 (73,728 KB), boost 2.52 GHz (2.5 sustained: estimate); GDDR6X latency under "
+            "load 0.8 us (estimate)",
         ),
         Gpu(
             "l40s",
@@ -89,6 +135,14 @@ GPUS: dict[str, Gpu] = {
             "NVIDIA L40S datasheet: 48 GB GDDR6 with ECC, 864 GB/s, BF16 tensor 362.05 dense "
             "(733 sparse), FP8 733 dense (1466 sparse); PCIe Gen4 x16",
             ("l40s",),
+            "sm_89",
+            142,
+            96,
+            2.4,
+            0.8,
+            "NVIDIA L40S datasheet / Ada whitepaper (AD102): 142 SMs (18,176 CUDA cores), 96 MB "
+            "L2, boost 2.52 GHz (2.4 sustained: estimate); GDDR6 latency under load 0.8 us "
+            "(estimate)",
         ),
         Gpu(
             "a6000",
@@ -114,6 +168,14 @@ GPUS: dict[str, Gpu] = {
             "NVIDIA H100 datasheet (PCIe): 80 GB HBM2e, 2000 GB/s, BF16 tensor 1513 with "
             "sparsity (756.5 dense), FP8 3026 with sparsity (1513 dense); PCIe Gen5 x16",
             ("h100 pcie", "h100-pcie", "h100"),
+            "sm_90",
+            114,
+            50,
+            1.6,
+            0.7,
+            "NVIDIA H100 Tensor Core GPU architecture whitepaper (H100 PCIe): 114 SMs (14,592 CUDA"
+            " cores), 50 MB L2, boost 1.755 GHz (1.6 sustained: estimate); HBM latency under load "
+            "0.7 us (estimate)",
         ),
         Gpu(
             "h200",
@@ -127,6 +189,14 @@ GPUS: dict[str, Gpu] = {
             "sparsity (989.5 dense), FP8 3958 with sparsity (1979 dense); PCIe Gen5 x16 host "
             "link",
             ("h200",),
+            "sm_90",
+            132,
+            50,
+            1.8,
+            0.7,
+            "NVIDIA H100 Tensor Core GPU architecture whitepaper (H100 SXM5, the die the H200 "
+            "shares): 132 SMs (16,896 CUDA cores), 50 MB L2, boost 1.98 GHz (1.8 sustained: "
+            "estimate); HBM latency under load 0.7 us (estimate)",
         ),
     )
 }
