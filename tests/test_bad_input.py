@@ -71,6 +71,13 @@ DISPATCH_CASES = [
 ]
 
 
+OUT_CASES = {  # a caller's `out=` tensor for combine that does not fit the call
+    "out-shape": lambda: torch.empty(5, H, dtype=torch.bfloat16),
+    "out-dtype": lambda: torch.empty(4, H, dtype=torch.float16),
+    "out-not-tensor": lambda: [[0.0] * H] * 4,
+}
+
+
 def _table(rank, world):
     import pcie_a2a
 
@@ -87,10 +94,13 @@ def _table(rank, world):
         # combine-side mistakes, after a good dispatch
         res = buf.dispatch(*_good())
         ll = buf.low_latency_dispatch(*_good(), layout="rows")
-        for case in ("y-shape", "y-dtype", "ll-handle", "not-handle"):
+        for case in ("y-shape", "y-dtype", "ll-handle", "not-handle", *OUT_CASES):
             y = res.x.clone()
             handle = res.handle
-            if rank == 0:
+            out = None
+            if rank == 0 and case in OUT_CASES:
+                out = OUT_CASES[case]()
+            elif rank == 0:
                 if case == "y-shape":
                     y = torch.zeros(y.shape[0] + 1, H, dtype=torch.bfloat16)
                 elif case == "y-dtype":
@@ -100,7 +110,7 @@ def _table(rank, world):
                 else:
                     handle = object()
             try:
-                buf.combine(y, handle)
+                buf.combine(y, handle, out=out)
                 seen.append((case, "combine", "no error"))
             except Exception as exc:
                 seen.append((case, "combine", type(exc).__name__, str(exc)))
@@ -113,6 +123,17 @@ def _table(rank, world):
         res = buf.dispatch(*_good())
         out = buf.combine(res.x.clone(), res.handle)
         assert out.shape == (4, H)
+        # a good `out=` (NaN first: every row must be written) is the result, bit for bit
+        res = buf.dispatch(*_good())
+        mine = torch.full((4, H), float("nan"), dtype=torch.bfloat16)
+        got = buf.combine(res.x.clone(), res.handle, out=mine)
+        assert got.data_ptr() == mine.data_ptr() and torch.equal(mine, out)
+        ll = buf.low_latency_dispatch(*_good(), layout="rows")
+        plain = buf.low_latency_combine(ll.x.clone(), ll.handle)
+        ll = buf.low_latency_dispatch(*_good(), layout="rows")
+        mine = torch.full((4, H), float("nan"), dtype=torch.bfloat16)
+        got = buf.low_latency_combine(ll.x.clone(), ll.handle, out=mine)
+        assert got.data_ptr() == mine.data_ptr() and torch.equal(mine, plain)
     return seen
 
 
@@ -121,6 +142,9 @@ COMBINE_CASES = [
     ("y-dtype", TypeError, "y.dtype"),
     ("ll-handle", ValueError, "low_latency_combine"),
     ("not-handle", TypeError, "handle: got object"),
+    ("out-shape", ValueError, "out.shape"),
+    ("out-dtype", TypeError, "out.dtype"),
+    ("out-not-tensor", TypeError, "out: got list"),
     ("layout", ValueError, "layout"),
 ]
 
