@@ -538,19 +538,37 @@ def test_redundant_placement_is_the_products_eplb():
     assert sum(share for rank in got.slots for _, share in rank) == pytest.approx(E)
 
 
-@pytest.mark.parametrize("payload", ["fp8", "bf16"])
-def test_row_bytes_are_the_native_wire_format(payload, monkeypatch):
-    """The rows the plan puts on the wire are the native layout's slots; the pure-Python
-    layout it falls back to without the build gives the same bytes. By hand for Kimi
-    (H 7168, top-8): header 16 + ids 32 + weights 32 = 80; fp8 body 7168 + 56 x 4 = 7392
-    -> 7472; bf16 body 14,336 -> 14,416; a 14,336 B bf16 row back."""
-    import sys
+# (hidden, top-k, payload) -> (dispatch, combine) bytes, by hand from wire_format.h: a 16 B
+# header, then the k int32 expert ids and the k fp32 weights each starting 16-aligned, then
+# the payload (fp8: hidden bytes + an fp32 scale per 128 channels, 16-aligned; bf16: 2 x
+# hidden), the slot rounded up to 16; a combine row is 2 x hidden rounded up to 16.
+WIRE_ROWS = [
+    (7168, 8, "fp8", (7472, 14336)),  # 48 -> 80 -> 7248 + 224
+    (7168, 8, "bf16", (14416, 14336)),  # 80 + 14336
+    (4096, 6, "fp8", (4304, 8192)),  # up16(40) 48 -> up16(72) 80 -> 4176 + 128
+    (2048, 1, "bf16", (4144, 4096)),  # up16(20) 32 -> up16(36) 48 + 4096
+    (7168, 9, "fp8", (7504, 14336)),  # up16(52) 64 -> up16(100) 112 -> 7280 + 224
+]
 
+
+@pytest.mark.parametrize(("hidden", "topk", "payload", "want"), WIRE_ROWS)
+def test_every_model_of_the_exchange_counts_the_wire_formats_rows(hidden, topk, payload, want):
+    """The plan, the balancer and the topology planner's Kimi traffic count the wire
+    format's slots (one formula, pcie_a2a.buffer_memory), and so does the native layout
+    where it is built."""
+    from pcie_a2a.balance import RowBytes
     from pcie_a2a.configplan import exchange
+    from pcie_a2a.topology import kimi_k2_decode
 
-    want = {"fp8": (7472, 14336), "bf16": (14416, 14336)}[payload]
+    assert exchange.row_bytes(hidden, topk, payload) == want
+    assert dispatch_row_bytes(hidden, topk, payload) == want[0]
+    rb = RowBytes.for_model(hidden, topk, payload)
+    assert (rb.dispatch, rb.combine) == want
+    if (hidden, topk) == (H, K):
+        rows = 128 * expected_distinct_ranks(8, E, K) / 8  # to one other rank, uniform
+        dispatch, combine = kimi_k2_decode(8, 128, payload)
+        assert dispatch.bytes[0][1] == pytest.approx(rows * want[0])
+        assert combine.bytes[0][1] == pytest.approx(rows * want[1])
     native = pytest.importorskip("pcie_a2a._transport")
-    assert native.slot_bytes(8, H, 256, K, 2 if payload == "fp8" else 0, 0)[:2] == want
-    assert exchange.row_bytes(H, K, payload) == want
-    monkeypatch.setitem(sys.modules, "pcie_a2a._transport", None)  # as without the build
-    assert exchange.row_bytes(H, K, payload) == want
+    code = {"bf16": 0, "fp8": 2}[payload]
+    assert tuple(native.slot_bytes(8, hidden, 256, topk, code, 0)[:2]) == want

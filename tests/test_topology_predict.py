@@ -79,10 +79,12 @@ def test_every_fixture_box_has_a_sane_prediction(box):
     assert (fp8.payload, bf16.payload) == ("fp8", "bf16")
     for r in p.rows:
         assert math.isfinite(r.total_us) and r.dispatch_us > 0 and r.combine_us > 0
-    assert bf16.dispatch_us > fp8.dispatch_us  # 14336 vs 7392 bytes a row
+    assert bf16.dispatch_us > fp8.dispatch_us  # 14416 vs 7472 bytes a row
     assert bf16.combine_us == fp8.combine_us  # combine is bf16 either way
-    assert bf16.dispatch_us == pytest.approx(bf16.combine_us)  # the same rows, same bytes
-    assert bf16.dispatch_mb == pytest.approx(fp8.dispatch_mb * 14336 / 7392)
+    # the same rows; a dispatch row carries 80 B of expert ids and weights more
+    assert bf16.dispatch_us > bf16.combine_us
+    assert bf16.dispatch_mb == pytest.approx(fp8.dispatch_mb * 14416 / 7472)
+    assert bf16.dispatch_mb == pytest.approx(bf16.combine_mb * 14416 / 14336)
 
 
 def test_pull_pair_by_hand():
@@ -115,7 +117,8 @@ def l40s_by_hand() -> dict[str, tuple[float, float]]:
             3 * (14 + rows * row / 13e3) + 3 * (14 + rows * 14336 / 13e3),
             3 * rows * (row + 14336) / 25e3,
         )
-        for payload, row in (("fp8", 7168 + 224), ("bf16", 14336))
+        # dispatch rows as the wire stores them: 80 B of header, ids and weights first
+        for payload, row in (("fp8", 80 + 7168 + 224), ("bf16", 80 + 14336))
     }
 
 

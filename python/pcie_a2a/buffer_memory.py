@@ -51,6 +51,14 @@ def combine_slot_bytes(hidden: int) -> int:
     return _up(2 * hidden, _ALIGN)
 
 
+def row_bytes(hidden: int, num_topk: int, payload: str) -> tuple[int, int]:
+    """(dispatch, combine) bytes one row takes on the wire: what every model of the
+    exchange (the plan, the topology planner's Kimi traffic, the balancer) counts."""
+    if payload not in PAYLOADS:
+        raise ValueError(f"payload: got {payload!r}; allowed: 'bf16', 'fp16', 'fp8'")
+    return dispatch_slot_bytes(hidden, num_topk, payload), combine_slot_bytes(hidden)
+
+
 def segment_bytes(world: int, hidden: int, max_tokens: int, num_topk: int, payload: str,
                   with_pull: bool = False, staged_progress: bool = False) -> int:  # fmt: skip
     """``segment_layout(...).total`` (``staged_progress``: with the CUDA transport's

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..buffer_memory import row_bytes
 from ..gpus import GPUS as GPU_TABLE
 
 _TILE_ROWS = 16
@@ -158,18 +159,8 @@ class RowBytes:
     @staticmethod
     def for_model(hidden: int = 7168, num_topk: int = 8, payload: str = "fp8") -> RowBytes:
         """Kimi K2's decode defaults: fp8 dispatch (e4m3 + one fp32 scale per 128
-        channels), bf16 combine."""
-        if payload not in ("bf16", "fp16", "fp8"):
-            raise ValueError(f"payload: got {payload!r}; allowed: 'bf16', 'fp16', 'fp8'")
-
-        def up(n: int) -> int:
-            return -(-n // 16) * 16
-
-        ids = up(16 + 4 * num_topk)
-        weights = up(ids + 4 * num_topk)
-        if payload == "fp8":
-            return RowBytes(up(up(weights + hidden) + 4 * (hidden // 128)), up(2 * hidden))
-        return RowBytes(up(weights + 2 * hidden), up(2 * hidden))
+        channels), bf16 combine; the wire format's slots (:func:`pcie_a2a.buffer_memory.row_bytes`)."""
+        return RowBytes(*row_bytes(hidden, num_topk, payload))
 
     @property
     def both(self) -> int:

@@ -22,12 +22,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..topology.estimates import LINK_X16_GBPS, SOCKET_LINK_GBPS
 from ..topology.model import RootPort, Topology
 from ..topology.planner import Plan, PlanOptions, plan
 
 SOCKET_LINK = "socket"  # prefix of socket-link ids (the planner's "socket{a}->{b}")
-_UPLINK_GBPS = 53.0  # a Gen5 x16 switch uplink, per direction (topology/estimates.py)
-_SOCKET_GBPS = 50.0  # the socket link, per direction (topology/estimates.py)
+_UPLINK_GBPS = LINK_X16_GBPS[5]  # a Gen5 x16 switch uplink, per direction
 
 
 def is_socket_link(link_id: str) -> bool:
@@ -90,7 +90,7 @@ class Islands:
                 for lk in ups + downs:
                     links[lk] = _UPLINK_GBPS
                 for lk in sock:
-                    links[lk] = _SOCKET_GBPS
+                    links[lk] = SOCKET_LINK_GBPS
                 row.append(tuple(ups + sock + downs))
             rows.append(tuple(row))
         return Islands(ps, tuple(rows), tuple(sorted(links.items())), name)

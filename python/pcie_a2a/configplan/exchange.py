@@ -15,36 +15,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from pcie_a2a.buffer_memory import row_bytes  # the wire format's slots, the one formula
 from pcie_a2a.topology import Plan, PlanOptions, Topology, Traffic, plan, with_reports
 
 from . import comm as cm
 from .configs import Config
 from .imbalance import place, rank_hit_probability
 from .measured import Measured
-
-_PAYLOAD_CODE = {"bf16": 0, "fp8": 2}  # csrc/core/numeric.h Payload
-
-
-def _up16(n: int) -> int:
-    return (n + 15) // 16 * 16
-
-
-def row_bytes(hidden: int, topk: int, payload: str) -> tuple[int, int]:
-    """(dispatch, combine) row bytes on the wire. The truth is the native layout
-    (``_transport.slot_bytes``, csrc/core/wire_format.h); without the native build the same
-    layout is computed here (16-byte header, top-k int32 ids and fp32 weights, then bf16
-    hidden or fp8 hidden + an fp32 scale per 128 channels, each part 16-byte aligned; a
-    bf16 row back), and a test pins the two equal where the build exists."""
-    try:
-        from pcie_a2a import _transport
-    except ImportError:
-        _transport = None
-    if _transport is not None:
-        d, c, _ = _transport.slot_bytes(2, hidden, 1, topk, _PAYLOAD_CODE[payload], 0)
-        return int(d), int(c)
-    head = 16 + 2 * _up16(4 * topk)
-    body = _up16(hidden) + _up16(4 * (hidden // 128)) if payload == "fp8" else _up16(2 * hidden)
-    return _up16(head + body), _up16(2 * hidden)
 
 
 def dispatch_row_bytes(hidden: int, topk: int, payload: str) -> float:

@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from .. import env
+from ..buffer_memory import row_bytes
 from . import estimates as est
 from . import roots
 from .directions import (
@@ -134,21 +135,24 @@ def expected_distinct_ranks(ranks: int, experts: int, topk: int) -> float:
 
 
 KIMI_HIDDEN = 7168
-DISPATCH_ROW_BYTES = {"fp8": KIMI_HIDDEN + 4 * (KIMI_HIDDEN // 128), "bf16": 2 * KIMI_HIDDEN}
+KIMI_TOPK = 8
+DECODE_PAYLOADS = ("fp8", "bf16")
 
 
 def kimi_k2_decode(
     ranks: int, tokens_per_rank: int = 128, payload: str = "fp8"
 ) -> tuple[Traffic, Traffic]:
     """Dispatch and combine of one Kimi K2 decode step with uniform routing: hidden 7168,
-    384 experts, top-8; dispatch rows fp8 + one fp32 scale per 128 channels (7168 + 224 B)
-    or bf16 (14336 B) (`payload`), combine rows bf16 (14336 B). Each token goes once to
-    each rank holding one of its experts, so a given other rank receives it with
+    384 experts, top-8; rows as the wire format stores them (:func:`pcie_a2a.buffer_memory.row_bytes`:
+    a 16 B header, 8 expert ids and weights, then fp8 + one fp32 scale per 128 channels,
+    7472 B, or bf16, 14416 B, by `payload`), combine rows bf16 (14336 B). Each token goes
+    once to each rank holding one of its experts, so a given other rank receives it with
     probability E[distinct ranks] / R."""
     if ranks < 1 or 384 % ranks:
         raise ValueError(f"ranks={ranks}: Kimi K2's 384 experts must split evenly over the ranks")
-    if payload not in DISPATCH_ROW_BYTES:
-        raise ValueError(f"payload={payload!r}: expected one of {', '.join(DISPATCH_ROW_BYTES)}")
+    if payload not in DECODE_PAYLOADS:
+        raise ValueError(f"payload={payload!r}: expected one of {', '.join(DECODE_PAYLOADS)}")
+    dispatch_bytes, combine_bytes = row_bytes(KIMI_HIDDEN, KIMI_TOPK, payload)
     p_hit = expected_distinct_ranks(ranks, 384, 8) / ranks
     rows = tokens_per_rank * p_hit
 
@@ -160,10 +164,10 @@ def kimi_k2_decode(
     return (
         Traffic(
             f"Kimi K2 decode dispatch ({tokens_per_rank} tok/rank, {payload})",
-            matrix(DISPATCH_ROW_BYTES[payload]),
+            matrix(dispatch_bytes),
         ),
         Traffic(
-            f"Kimi K2 decode combine ({tokens_per_rank} tok/rank, bf16)", matrix(2 * KIMI_HIDDEN)
+            f"Kimi K2 decode combine ({tokens_per_rank} tok/rank, bf16)", matrix(combine_bytes)
         ),
     )
 

@@ -1,8 +1,8 @@
 """The floor a plan predicts for one Kimi K2 decode step: dispatch + combine time.
 
 For hidden 7168, 384 experts, top-8, uniform routing and `tokens` tokens per rank, with the
-dispatch payload in fp8 (7168 B + 56 fp32 scales per row) and in bf16 (14336 B), the
-combine always bf16: the plan's per-pair decisions and numbers (measured by a probe, else
+dispatch rows as the wire format stores them (80 B of header, expert ids and weights,
+then fp8 7168 B + 56 fp32 scales: 7472 B, or bf16: 14416 B), the combine always bf16: the plan's per-pair decisions and numbers (measured by a probe, else
 modelled from estimates.py) go through its round model (planner._report: rounds one after
 another, each as slow as its slowest flow, links shared among a round's flows, the collapse
 factor for pushing flows that trigger it). This is "the floor the probe's own numbers
