@@ -31,7 +31,10 @@ def test_text_output(capsys):
     assert "GPU4 <- GPU0 GPU1 GPU2 GPU3: NUMA node 1" in out
     assert "most flows on one shared link in any round: 3" in out
     assert "E[distinct ranks] = 5.28 of 8 ranks" in out
-    assert "Kimi K2 decode dispatch (128 tok/rank, fp8): 34.97 MB on the wire" in out
+    # the same rows as before (34.97 MB / 7392 B = 4731 rows off-rank), each now counted as
+    # the wire format's whole fp8 slot: 7168 payload + 224 scales + 80 ids/weights/header
+    # = 7472 B, so 4731 * 7472 B = 35.35 MB
+    assert "Kimi K2 decode dispatch (128 tok/rank, fp8): 35.35 MB on the wire" in out
     assert "predicted total for the 2 exchanges:" in out
 
 
