@@ -878,33 +878,22 @@ class Buffer:
             )
         return handle
 
+    def _check_rows(self, t: Any, name: str, shape: tuple[int, ...], rows_are: str):
+        t = self._check_tensor(t, name)
+        if tuple(t.shape) != shape:
+            raise _fail(ValueError, f"{name}.shape", tuple(t.shape), f"{list(shape)}: {rows_are}")
+        if t.dtype != self.dtype:
+            raise _fail(TypeError, f"{name}.dtype", t.dtype, f"{self.dtype} (the Buffer's dtype)")
+        return t
+
     def _check_y(self, y: Any, shape: tuple[int, ...]) -> torch.Tensor:
-        y = self._check_tensor(y, "y")
-        if tuple(y.shape) != shape:
-            raise _fail(
-                ValueError,
-                "y.shape",
-                tuple(y.shape),
-                f"{list(shape)}: one row per received row of the dispatch",
-            )
-        if y.dtype != self.dtype:
-            raise _fail(TypeError, "y.dtype", y.dtype, f"{self.dtype} (the Buffer's dtype)")
-        return y
+        return self._check_rows(y, "y", shape, "one row per received row of the dispatch")
 
     def _check_out(self, out: Any, num_tokens: int) -> torch.Tensor | None:
         if out is None:
             return None
-        out = self._check_tensor(out, "out")
-        if tuple(out.shape) != (num_tokens, self.hidden):
-            raise _fail(
-                ValueError,
-                "out.shape",
-                tuple(out.shape),
-                f"[{num_tokens}, {self.hidden}]: one row per token of the dispatch",
-            )
-        if out.dtype != self.dtype:
-            raise _fail(TypeError, "out.dtype", out.dtype, f"{self.dtype} (the Buffer's dtype)")
-        return out
+        shape = (num_tokens, self.hidden)
+        return self._check_rows(out, "out", shape, "one row per token of the dispatch")
 
     def _combine(self, seq, op, parity, rows, handle: DispatchHandle, hook=False, out=None):
         # recv_count_host (normal mode): a copy-engine path sizes its copies on the host
@@ -918,11 +907,10 @@ class Buffer:
         def receive() -> torch.Tensor:
             # every row is written (a token routed nowhere gets zeros), so a caller's
             # tensor needs no clearing and an empty one is as good
-            if out is None:
+            dst = out
+            if dst is None:
                 dst = torch.empty(handle.num_tokens, self.hidden, dtype=self.dtype,
                                   device=self.device)  # fmt: skip
-            else:
-                dst = out
             self._protocol(
                 self._transport.combine_recv,
                 seq & 0xFFFFFFFF,
