@@ -31,6 +31,7 @@ from pcie_a2a.configplan.stacks import STACKS
 from pcie_a2a.configplan.tables import KB, MB, Curve, Tables
 from pcie_a2a.configplan.topo import synthetic_topology
 from pcie_a2a.gpus import GPUS
+from pcie_a2a.quant import grid_model
 from pcie_a2a.topology import Traffic, expected_distinct_ranks, plan
 
 H, I, L, E, K, V = 7168, 2048, 61, 384, 8, 163840
@@ -46,6 +47,28 @@ def kimi():
 def env_for(stack: str = "vllm-tuned", step_us: float = 0.0, request_us: float = 0.0, **kw):
     s = replace(STACKS[stack], step_us=step_us, request_us=request_us)
     return replace(calibration_env(s, Tables()), **kw)
+
+
+# Kimi K2.6's routed experts on one of 8 EP ranks, from its config.json (hidden 7168,
+# moe_intermediate 2048, 384 experts / 8 ranks, top-8, INT4 group 32); the low-latency
+# receive buffer holds 8 ranks x 8192 tokens (vLLM's chunk, which its launch line sets as
+# PCIE_A2A_MAX_TOKENS_PER_RANK)
+EP8_SHAPE = grid_model.Shape(
+    hidden=7168, intermediate=2048, local_experts=48, topk=8, group=32, ll_rows=8 * 8192
+)
+
+
+def grid_us(active: float, shape, layout: str, rows: int = 1) -> float:
+    """The grid model's time for an expected number of experts: linear between the two
+    whole numbers around it (docs/plan.md)."""
+    lo = math.floor(active)
+    t = [
+        grid_model.predict("rtx_pro_6000", a, rows, shape=shape, layout=layout).time_us
+        if a
+        else 0.0
+        for a in (lo, lo + 1)
+    ]
+    return t[0] + (active - lo) * (t[1] - t[0])
 
 
 # kernels per step counted by hand from the frameworks' decode path (docs/plan.md): 12 for
@@ -111,8 +134,13 @@ def test_tp8_decode_terms_at_c1_by_hand(kimi):
     split, repl = kimi.attention_params()
     attn = L * 2 * (split / 8 + repl) / BW
     assert s.terms["attention"] == pytest.approx(attn, rel=1e-9)
-    # one token touches 8 experts; MoE TP 8: each GPU reads 1/8 of each (60 MoE layers)
-    assert s.terms["experts"] == pytest.approx(60 * 8 * 24_772_608 / 8 / BW, rel=1e-6)
+    # one token touches 8 experts; MoE TP 8: each GPU holds a 1/8 slice (moe_intermediate
+    # 2048 / 8 = 256) of all 384: pcie_a2a's INT4 kernel model for 8 experts of one row each
+    tp8 = grid_model.Shape(hidden=7168, intermediate=256, local_experts=384, topk=8, group=32)
+    one = grid_model.predict("rtx_pro_6000", 8, 1, shape=tp8, layout="normal").time_us
+    assert s.terms["experts"] == pytest.approx(60 * one, rel=1e-9)
+    # no faster than streaming the 8 slices at the spec DRAM bandwidth (gpus.py: 1792 GB/s)
+    assert s.terms["experts"] >= 60 * 8 * 24_772_608 / 8 / 1792e3
     assert s.terms["imbalance"] == 0.0
     assert s.terms["shared"] == pytest.approx(60 * 3 * H * I * 2 / 8 / BW, rel=1e-9)
     ar = Tables().custom_ar8(H * 2)  # 14,336 B: 11.8 µs measured
@@ -150,9 +178,11 @@ def test_ep_imbalance_and_no_per_expert_overhead(kimi):
     s = step(env, cfg, 1)
     load = env.load(cfg, 1)
     assert load.mean_experts == pytest.approx(1.0)  # 8 experts over 8 ranks
-    full = 24_772_608 / BW
-    assert s.terms["experts"] == pytest.approx(60 * full, rel=1e-6)
-    assert s.terms["imbalance"] == pytest.approx(60 * (load.max_experts - 1) * full, rel=1e-6)
+    # each rank holds 384 / 8 = 48 whole experts; the mean rank runs one, of one row
+    mean = grid_us(1.0, EP8_SHAPE, "normal")
+    assert s.terms["experts"] == pytest.approx(60 * mean, rel=1e-9)
+    busy = grid_us(load.max_experts, EP8_SHAPE, "normal")
+    assert s.terms["imbalance"] == pytest.approx(60 * (busy - mean), rel=1e-9)
     # the overheads do not depend on how many experts a rank runs: same as TP8's
     tp8 = step(env, Config(8), 1)
     assert s.terms["launch"] == tp8.terms["launch"] == pytest.approx(1461 * 2.5)
@@ -572,3 +602,52 @@ def test_every_model_of_the_exchange_counts_the_wire_formats_rows(hidden, topk, 
     native = pytest.importorskip("pcie_a2a._transport")
     code = {"bf16": 0, "fp8": 2}[payload]
     assert tuple(native.slot_bytes(8, hidden, 256, topk, code, 0)[:2]) == want
+
+
+# ---- one expert-GEMM cost ------------------------------------------------------------------
+
+
+def test_int4_experts_on_a_grid_modelled_gpu_take_the_grid_model():
+    """Kimi K2.6 (INT4 g32 experts), RTX PRO 6000, DP8 + EP8 pcie_a2a, C = 1: the routed
+    experts are 60 MoE layers x pcie_a2a's INT4 kernel model (quant/grid_model.py, the one
+    scripts/sass_report.py ties to the SASS) of the mean rank, one expert of one row, in the
+    low-latency layout; the imbalance is the busiest rank's expected experts less that."""
+    env = env_for()
+    cfg = Config(8, 1, 8, 8, "pcie_a2a")
+    s = step(env, cfg, 1)
+    load = env.load(cfg, 1)
+    assert load.mean_experts == pytest.approx(1.0) and load.mean_rows == pytest.approx(1.0)
+    mean = grid_model.predict("rtx_pro_6000", 1, 1, shape=EP8_SHAPE, layout="low_latency")
+    assert s.terms["experts"] == pytest.approx(60 * mean.time_us, rel=1e-9)
+    busy = grid_us(load.max_experts, EP8_SHAPE, "low_latency")
+    assert s.terms["imbalance"] == pytest.approx(60 * (busy - mean.time_us), rel=1e-9)
+    # lower bounds by hand: an expert is 3 x 7168 x 2048 x (0.5 + 2 / 32) = 24,772,608 B,
+    # streamed at best at the spec DRAM bandwidth (gpus.py: 1792 GB/s = 1792e3 B/µs)
+    assert s.terms["experts"] / 60 >= 24_772_608 / 1792e3
+    busiest = (s.terms["experts"] + s.terms["imbalance"]) / 60
+    assert busiest >= load.max_experts * 24_772_608 / 1792e3
+    kind, src = s.sources["experts"]
+    assert kind == "model" and src.startswith("INT4 grid model")
+    assert "48 local experts, low_latency layout" in src
+    ar = step(env, Config(8, ep=8, comm="allreduce"), 1)  # every GPU has every token
+    assert "normal layout" in ar.sources["experts"][1]
+
+
+def test_other_formats_and_gpus_keep_the_roofline_and_say_why():
+    # block FP8 Kimi K2: one expert of 3 H I (1 + 4 / 128^2) bytes per rank and layer at
+    # 1792 GB/s x 0.85, GEMM efficiency 1.0 at one row per expert
+    fp8 = env_for(model=load_model("kimi-k2"))
+    s = step(fp8, Config(8, ep=8, comm="allreduce"), 1)
+    assert s.terms["experts"] == pytest.approx(60 * 3 * H * I * (1 + 4 / 16384) / BW, rel=1e-9)
+    assert s.sources["experts"][1].startswith("roofline (fp8 weights")
+    assert "fp8 experts" in s.sources["experts"][1]
+    # a GPU the grid model has no occupancy table for: the roofline at its 768 GB/s
+    a6000 = env_for(gpu=GPUS["a6000"])
+    s = step(a6000, Config(8, ep=8, comm="allreduce"), 1)
+    assert s.terms["experts"] == pytest.approx(60 * 24_772_608 / (768e3 * 0.85), rel=1e-9)
+    assert "NVIDIA RTX A6000 is not in the INT4 grid model" in s.sources["experts"][1]
+    # a prefill chunk of 8192 tokens: 8192 x 8 / 8 rows over 48 experts = 171 per expert,
+    # where the kernel takes block_m 64, outside the grid model
+    pre = step(env_for(), Config(8, ep=8, comm="allreduce"), 8192, ctx=0, prefill=True)
+    assert "171 rows per expert" in pre.sources["experts"][1]
+    assert pre.sources["experts"][1].startswith("roofline (int4-g32 weights")

@@ -2,8 +2,10 @@
 term by term, on the busiest GPU of each pipeline stage.
 
 Each compute term is a roofline, ``max(bytes / (bandwidth x memory_efficiency),
-flops / (peak x tensor_efficiency))``; routed experts are further divided by the GEMM
-efficiency at their rows per expert. Communication terms come from :mod:`.comm` and
+flops / (peak x tensor_efficiency))``, except the routed experts, which take one
+expert-GEMM cost per weight format (:mod:`.experts`: the INT4 kernel's grid model for INT4
+experts on a GPU it knows, else the roofline divided by the GEMM efficiency at their rows
+per expert). Communication terms come from :mod:`.comm` and
 :mod:`.exchange`, each collective from its table. Overheads sit where they occur:
 ``launch`` is the kernels a stage runs (counted per layer, below) times the gap one launch
 leaves (graph replay or eager, :mod:`.tables`); ``framework`` is the stack's host time per
@@ -21,6 +23,7 @@ from ..gpus import Gpu
 from . import comm as cm
 from .configs import Config
 from .exchange import Exchanges
+from .experts import experts_time
 from .imbalance import Routing, place, rank_load
 from .memory import ceil_div, dense_split, stage_layers
 from .models import ModelShape, WeightFormat
@@ -87,7 +90,7 @@ class Step:
     terms: dict[str, float]  # µs, summed over the stages a token passes
     tpot_us: float
     tok_s: float
-    sources: dict[str, tuple[str, str]]  # communication term -> (kind, source)
+    sources: dict[str, tuple[str, str]]  # communication terms, experts -> (kind, source)
     micro_batches: int
     bubble_us: float = 0.0  # per step, the average stage's idle time (pipeline bubble)
 
@@ -97,7 +100,14 @@ class Step:
 
 
 def _stage(
-    env: Env, cfg: Config, stage: int, tokens: int, ctx: int, src: dict, requests: int
+    env: Env,
+    cfg: Config,
+    stage: int,
+    tokens: int,
+    ctx: int,
+    src: dict,
+    requests: int,
+    prefill: bool = False,
 ) -> dict:
     """Terms (µs) of one stage for ``tokens`` tokens (of ``requests`` requests) in flight."""
     m, g = env.model, env.gpu
@@ -129,19 +139,12 @@ def _stage(
     # routed experts on the busiest EP rank, and what the average rank would take
     load = env.load(cfg, tokens) if n_moe else None
     if load is not None and tokens:
-        eb, ep_flops = m.expert_bytes() / cfg.moe_tp, 2.0 * m.expert_params() / cfg.moe_tp
-        dt = env.compute_dtype(m.fmt("experts"))
-
-        def experts_us(active: float, rows: float) -> float:
-            if active <= 0:
-                return 0.0
-            eff = env.tables.gemm_efficiency(rows / active)
-            return env.roofline(active * eb, rows * ep_flops, dt) / eff
-
-        mean = experts_us(load.mean_experts, load.mean_rows)
-        busy = max(experts_us(load.max_experts, load.max_rows), mean)
+        mean, _, how = experts_time(env, cfg, load.mean_experts, load.mean_rows, prefill)
+        busy, _, how_busy = experts_time(env, cfg, load.max_experts, load.max_rows, prefill)
+        busy = max(busy, mean)
         t["experts"] = n_moe * mean
         t["imbalance"] = n_moe * (busy - mean)
+        src["experts"] = ("model", how or how_busy)
         if m.shared_intermediate:
             ds = dense_split(cfg, st.framework)
             rows = b_att if ds == at else tokens  # SGLang: the gathered batch over all TP
@@ -212,10 +215,15 @@ def _pp_send(env: Env, cfg: Config, stage: int, tokens: int, src: dict) -> float
 
 
 def step(
-    env: Env, cfg: Config, concurrency: int, ctx: int | None = None, requests: int | None = None
+    env: Env,
+    cfg: Config,
+    concurrency: int,
+    ctx: int | None = None,
+    requests: int | None = None,
+    prefill: bool = False,
 ) -> Step:
     """Decode step of ``concurrency`` tokens (one per request unless ``requests`` says) at
-    the environment's decode context (or ``ctx``)."""
+    the environment's decode context (or ``ctx``); ``prefill``: a prefill chunk."""
     ctx = env.context if ctx is None else ctx
     requests = concurrency if requests is None else requests
     mb = min(cfg.pp, max(concurrency, 1))
@@ -224,7 +232,7 @@ def step(
     totals = dict.fromkeys(TERMS, 0.0)
     slowest = 0.0
     for s in range(cfg.pp):
-        t = _stage(env, cfg, s, tokens, ctx, src, ceil_div(requests, mb))
+        t = _stage(env, cfg, s, tokens, ctx, src, ceil_div(requests, mb), prefill)
         t["comm"] += _pp_send(env, cfg, s, tokens, src)
         slowest = max(slowest, sum(t.values()))
         for k, v in t.items():
@@ -238,4 +246,4 @@ def step(
 def prefill(env: Env, cfg: Config, chunk: int) -> Step:
     """One prefill chunk of ``chunk`` tokens of one request (causal: on average chunk / 2
     tokens of context each). ``tok_s`` is prefill tokens per second."""
-    return step(env, cfg, chunk, ctx=chunk // 2, requests=1)
+    return step(env, cfg, chunk, ctx=chunk // 2, requests=1, prefill=True)

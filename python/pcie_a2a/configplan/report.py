@@ -296,7 +296,8 @@ def provenance_lines(p: PlanResult) -> list[str]:
         more = f" (+{len(srcs) - 1} more)" if len(srcs) > 1 else ""
         out.append(f"  {kind:9s} {term}: {srcs[0]}{more}")
     out += [
-        f"  model     compute terms: roofline on the GPU table ({p.gpu.source})",
+        f"  model     compute terms (experts: as their line above says): roofline on the GPU "
+        f"table ({p.gpu.source})",
         f"            memory efficiency {t.memory_efficiency:g} ({t.memory_efficiency_source}); "
         f"tensor efficiency {t.tensor_efficiency:g} ({t.tensor_efficiency_source})",
         f"            expert GEMM efficiency by rows per expert: {t.gemm_efficiency.source}",
