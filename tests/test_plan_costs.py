@@ -651,3 +651,42 @@ def test_other_formats_and_gpus_keep_the_roofline_and_say_why():
     pre = step(env_for(), Config(8, ep=8, comm="allreduce"), 8192, ctx=0, prefill=True)
     assert "171 rows per expert" in pre.sources["experts"][1]
     assert pre.sources["experts"][1].startswith("roofline (int4-g32 weights")
+
+
+# Kimi K2.6 rows on the wire (buffer_memory.row_bytes, worked by hand in WIRE_ROWS above):
+# dispatch fp8 = 16 B header + 8 int32 ids (-> 48) + 8 fp32 weights (-> 80) + 7168 B
+# payload (-> 7248) + 56 fp32 scales = 7472 B; combine = 2 x 7168 = 14,336 B, no header.
+# A token goes to a rank once if any of its 8 distinct experts (of 384, uniform) is there:
+# EP2 (192 a rank): 1 - C(192, 8) / C(384, 8) = 0.99637373; EP4 (96 a rank):
+# 1 - C(288, 8) / C(384, 8) = 1 - prod_{j<8} (288 - j) / (384 - j) = 0.90232775.
+def _all_to_all(n: int, b: float) -> tuple[tuple[float, ...], ...]:
+    return tuple(tuple(0.0 if s == d else b for d in range(n)) for s in range(n))
+
+
+# (fixture, GPU PCIe generation, EP, tokens, rows to each other rank)
+PLANNED_CASES = [
+    # GeForce pair, P2P "GNS" (host-staged); 4 tokens on DP2: 2 a rank, 2 x 0.99637 rows
+    ("2x-rtx5090-threadripper3975wx.topo-p2p.txt", 5, 2, 4, 2 * 0.9963737325144445),
+    # dual socket, two NODE pairs joined by SYS; 16 tokens on DP4: 4 a rank, 4 x 0.90233
+    ("4x-l40s-dual-socket.topo.txt", 4, 4, 16, 4 * 0.9023277510040769),
+]
+
+
+@pytest.mark.parametrize(("fixture", "gen", "ep", "tokens", "rows"), PLANNED_CASES)
+def test_pcie_a2a_cost_is_the_planners_total_on_a_real_box(fixture, gen, ep, tokens, rows):
+    """The pcie_a2a exchange the plan charges per MoE layer = the topology planner's
+    predicted dispatch + combine for the hand-written traffic + 2 x pcie_a2a_call_us."""
+    from pcie_a2a.topology import PlanOptions, load
+    from topology_fixtures import FIXTURES
+
+    topo = load(FIXTURES / fixture)
+    assert topo.num_gpus == ep
+    env = env_for()
+    got = Exchanges(topo, Measured(), gen).cost(Config(ep, 1, ep, ep, "pcie_a2a"), tokens, env)
+    disp = Traffic("dispatch", _all_to_all(ep, rows * 7472))
+    comb = Traffic("combine", _all_to_all(ep, rows * 14336))
+    reports = plan(topo, [disp, comb], PlanOptions(default_link_gen=gen)).reports
+    want = reports[0].predicted_us + reports[1].predicted_us + 2 * Tables().pcie_a2a_call_us
+    assert got.us == pytest.approx(want, rel=1e-12)
+    assert got.kind == "model" and got.source.startswith("topology planner")
+    assert Tables().pcie_a2a_call_us == 5.0  # the assumed per-call cost (tables.py)
