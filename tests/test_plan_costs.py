@@ -27,7 +27,7 @@ from pcie_a2a.configplan.imbalance import (
 from pcie_a2a.configplan.measured import Measured
 from pcie_a2a.configplan.models import WeightFormat, load_model
 from pcie_a2a.configplan.predict import step
-from pcie_a2a.configplan.stacks import STACKS
+from pcie_a2a.configplan.stacks import STACKS, Mtp
 from pcie_a2a.configplan.tables import KB, MB, Curve, Tables
 from pcie_a2a.configplan.topo import synthetic_topology
 from pcie_a2a.gpus import GPUS
@@ -44,8 +44,12 @@ def kimi():
     return load_model("kimi-k2.6")
 
 
-def env_for(stack: str = "vllm-tuned", step_us: float = 0.0, request_us: float = 0.0, **kw):
+def env_for(
+    stack: str = "vllm-tuned", step_us: float = 0.0, request_us: float = 0.0, mtp=None, **kw
+):
     s = replace(STACKS[stack], step_us=step_us, request_us=request_us)
+    if mtp is not None:
+        s = replace(s, mtp=mtp)
     return replace(calibration_env(s, Tables()), **kw)
 
 
@@ -690,3 +694,63 @@ def test_pcie_a2a_cost_is_the_planners_total_on_a_real_box(fixture, gen, ep, tok
     assert got.us == pytest.approx(want, rel=1e-12)
     assert got.kind == "model" and got.source.startswith("topology planner")
     assert Tables().pcie_a2a_call_us == 5.0  # the assumed per-call cost (tables.py)
+
+
+# ---- MTP ------------------------------------------------------------------------------------
+
+
+def test_mtp_step_reads_weights_and_cache_once_and_emits_accept_len(kimi):
+    """TP8, C = 1, context 4096, MTP with 3 drafts accepted to 2.278 tokens a step: the step
+    runs 1 + 3 = 4 rows; the weights other than the routed experts and the request's KV
+    cache are read as often as without MTP (by hand below); the routed experts are the ones
+    4 tokens touch; the step emits 2.278 tokens."""
+    plain = step(env_for(context=4096), Config(8), 1)
+    spec = step(env_for(context=4096, mtp=Mtp(3, 2.278, "test")), Config(8), 1)
+    split, repl = kimi.attention_params()
+    weights = (
+        L * 2 * (split / 8 + repl)  # attention, bf16, TP8 (q_a and kv_a replicated)
+        + 60 * 2 * E * H  # routers
+        + 3 * H * 18432 * 2 / 8  # dense layer 0
+        + 60 * 3 * H * I * 2 / 8  # shared experts
+        + V * H * 2 / 8  # LM head, vocab-parallel
+    )
+    assert plain.bytes_read["weights"] == pytest.approx(weights, rel=1e-12)
+    assert spec.bytes_read["weights"] == pytest.approx(weights, rel=1e-12)
+    kv = L * 4096 * 1152  # one request's cache: (512 + 64) x 2 B a token and layer
+    assert plain.bytes_read["kv"] == pytest.approx(kv) and spec.bytes_read["kv"] == pytest.approx(
+        kv
+    )
+    # a GPU streams its 1/8 slice of every expert the step's tokens touch: 8 for one token,
+    # 384 (1 - (1 - 8/384)^4) = 30.8 for four
+    slice_ = 24_772_608 / 8
+    assert plain.bytes_read["experts"] == pytest.approx(60 * 8 * slice_, rel=1e-9)
+    touched = 384 * (1 - (1 - 8 / 384) ** 4)
+    assert spec.bytes_read["experts"] == pytest.approx(60 * touched * slice_, rel=1e-9)
+    assert (plain.rows_per_request, spec.rows_per_request) == (1, 4)
+    assert (plain.tokens_per_step, spec.tokens_per_step) == (1.0, 2.278)
+    # tokens out of a step: C x accept_len in its time
+    assert spec.tok_s * spec.total_us / 1e6 == pytest.approx(2.278, rel=1e-12)
+    assert spec.tpot_us == pytest.approx(spec.total_us / 2.278, rel=1e-12)
+    # a prefill chunk drafts nothing
+    pre = step(env_for(mtp=Mtp(3, 2.278, "test")), Config(8), 256, ctx=128, prefill=True)
+    assert pre.rows_per_request == 1 and pre.tokens_per_step == 1.0
+
+
+def test_the_one_shipped_mtp_stack_cites_its_accepted_length():
+    """vllm-tuned-mtp: EAGLE3 with 3 drafts; kimi-k26-v4.md's 'Kimi Draft Acceptance Notes'
+    give per-position acceptance 0.645, 0.393, 0.240 (DCP1), so 1 + their sum = 2.278
+    tokens a step; its calibration numbers are the pages' MTP rows (field_2026.md s1:
+    v4 122.0 / 2245.8, v3 110.1 / 2406.5). No other shipped stack claims MTP."""
+    s = STACKS["vllm-tuned-mtp"]
+    assert (s.mtp.draft_tokens, s.mtp.accept_len) == (3, pytest.approx(1 + 0.645 + 0.393 + 0.240))
+    assert "kimi-k26-v4.md" in s.mtp.source and "0.645, 0.393, 0.240" in s.mtp.source
+    assert sorted(p.tok_s for p in s.points) == [110.1, 122.0, 2245.8, 2406.5]
+    assert [n for n, st in STACKS.items() if st.mtp is not None] == ["vllm-tuned-mtp"]
+    part = {p.name: p for p in s.parts()}["MTP"]
+    assert part.value.startswith("3 draft tokens, 2.278 tokens per step")
+    assert part.source == s.mtp.source
+    assert {p.name: p for p in STACKS["vllm-tuned"].parts()}["MTP"].value == "off"
+    with pytest.raises(ValueError, match=r"accept_len: got 4.5; allowed: a number from 1 to 1 \+"):
+        Mtp(3, 4.5, "x")
+    with pytest.raises(ValueError, match="draft_tokens: got 0; allowed: an int >= 1"):
+        Mtp(0, 1.0, "x")

@@ -93,9 +93,15 @@ class Step:
     sources: dict[str, tuple[str, str]]  # communication terms, experts -> (kind, source)
     micro_batches: int
     bubble_us: float = 0.0  # per step, the average stage's idle time (pipeline bubble)
+    # bytes the busiest GPU of each stage streams per step, summed over the stages:
+    # "weights" (all but the routed experts), "experts" (the busiest rank's), "kv"
+    bytes_read: dict[str, float] = field(default_factory=dict)
+    rows_per_request: int = 1  # 1 + the draft tokens a step verifies (MTP)
+    tokens_per_step: float = 1.0  # output tokens per request per step (MTP: accept_len)
 
     @property
     def total_us(self) -> float:
+        """One step (with MTP it emits ``tokens_per_step`` tokens per request)."""
         return sum(self.terms.values())
 
 
@@ -108,12 +114,18 @@ def _stage(
     src: dict,
     requests: int,
     prefill: bool = False,
+    rows_per_request: int = 1,
+    read: dict | None = None,
 ) -> dict:
-    """Terms (µs) of one stage for ``tokens`` tokens (of ``requests`` requests) in flight."""
+    """Terms (µs) of one stage for ``tokens`` rows (of ``requests`` requests) in flight;
+    ``rows_per_request`` > 1: each request's rows are its token and the draft tokens it
+    verifies (MTP), which read its KV cache once. Adds the bytes streamed to ``read``."""
     m, g = env.model, env.gpu
     at, ad, st = cfg.attn_tp, cfg.attn_dp, env.stack
     n, n_moe = stage_layers(m, cfg.pp)[stage]
-    b_att = ceil_div(tokens, ad)  # tokens on the busiest attention group
+    b_att = ceil_div(tokens, ad)  # rows on the busiest attention group
+    b_kv = ceil_div(tokens // rows_per_request, ad)  # the caches those rows read
+    read = {} if read is None else read
     h = m.hidden
     t = dict.fromkeys(TERMS, 0.0)
 
@@ -122,10 +134,12 @@ def _stage(
     # DCP: each of dcp ranks holds and reads 1/dcp of every request's cache (for the heads
     # of its dcp group, the FLOPs per rank unchanged)
     kvb = 1.0 if cfg.kv_fp8 else env.kv_bytes
-    kv = b_att * ctx * m.kv_bytes_per_token(at, kvb) / cfg.dcp
+    kv = b_kv * ctx * m.kv_bytes_per_token(at, kvb) / cfg.dcp
     flops = 2.0 * b_att * m.attention_params_per_rank(at)
     flops += b_att * ctx * m.attention_flops_per_context_token() / at
     t["attention"] = n * env.roofline(w + kv, flops, env.compute_dtype(m.fmt("attention")))
+    weights = n * w + n_moe * m.router_bytes()
+    read["kv"] = read.get("kv", 0.0) + n * kv
 
     # activations outside the GEMMs, router, dense layers
     act = env.tables.activation_passes * b_att * h * 2.0
@@ -135,6 +149,7 @@ def _stage(
         dense = m.mlp_bytes(m.dense_intermediate, "dense") / at
         fl = 2.0 * b_att * 3 * h * m.dense_intermediate / at
         other += (n - n_moe) * env.roofline(dense, fl, env.compute_dtype(m.fmt("dense")))
+        weights += (n - n_moe) * dense
 
     # routed experts on the busiest EP rank, and what the average rank would take
     load = env.load(cfg, tokens) if n_moe else None
@@ -145,12 +160,15 @@ def _stage(
         t["experts"] = n_moe * mean
         t["imbalance"] = n_moe * (busy - mean)
         src["experts"] = ("model", how or how_busy)
+        eb = n_moe * load.max_experts * m.expert_bytes() / cfg.moe_tp
+        read["experts"] = read.get("experts", 0.0) + eb
         if m.shared_intermediate:
             ds = dense_split(cfg, st.framework)
             rows = b_att if ds == at else tokens  # SGLang: the gathered batch over all TP
             sb = m.mlp_bytes(m.shared_intermediate, "shared") / ds
             fl = 2.0 * rows * 3 * h * m.shared_intermediate / ds
             t["shared"] = n_moe * env.roofline(sb, fl, env.compute_dtype(m.fmt("shared")))
+            weights += n_moe * sb
 
     # embedding (a row per token) and LM head with its logits gather
     if stage == 0:
@@ -160,11 +178,13 @@ def _stage(
         rows = b_att if ds == at else tokens
         fl = 2.0 * rows * m.vocab * h / ds
         other += env.roofline(m.lm_head_bytes() / ds, fl, env.compute_dtype(m.fmt("lm_head")))
+        weights += m.lm_head_bytes() / ds
         gather = cm.nccl("all_gather", b_att * m.vocab * 2.0, at, g, env.tables)
         t["comm"] += gather.us
         if at > 1:
             src["logits gather"] = (gather.kind, gather.source)
     t["other"] = other
+    read["weights"] = read.get("weights", 0.0) + weights
 
     # communication per layer
     if cfg.dcp > 1:
@@ -223,24 +243,34 @@ def step(
     prefill: bool = False,
 ) -> Step:
     """Decode step of ``concurrency`` tokens (one per request unless ``requests`` says) at
-    the environment's decode context (or ``ctx``); ``prefill``: a prefill chunk."""
+    the environment's decode context (or ``ctx``); ``prefill``: a prefill chunk. With the
+    stack's MTP part a decode step runs each request's token and its ``draft_tokens``
+    drafts as rows (weights read once, each cache once) and emits ``accept_len`` tokens per
+    request: the time per output token is the step over ``accept_len``."""
     ctx = env.context if ctx is None else ctx
     requests = concurrency if requests is None else requests
+    mtp = None if prefill else env.stack.mtp
+    q = 1 + mtp.draft_tokens if mtp else 1
+    emitted = mtp.accept_len if mtp else 1.0
     mb = min(cfg.pp, max(concurrency, 1))
-    tokens = ceil_div(concurrency, mb)
+    tokens = ceil_div(concurrency, mb) * q
     src: dict[str, str] = {}
+    read: dict[str, float] = {}
     totals = dict.fromkeys(TERMS, 0.0)
     slowest = 0.0
     for s in range(cfg.pp):
-        t = _stage(env, cfg, s, tokens, ctx, src, ceil_div(requests, mb), prefill)
+        t = _stage(env, cfg, s, tokens, ctx, src, ceil_div(requests, mb), prefill, q, read)
         t["comm"] += _pp_send(env, cfg, s, tokens, src)
         slowest = max(slowest, sum(t.values()))
         for k, v in t.items():
             totals[k] += v
     trip = sum(totals.values())
-    tpot = max(trip, mb * slowest)
-    bubble = tpot - mb * trip / cfg.pp  # idle time of the average stage per step
-    return Step(concurrency, totals, tpot, concurrency / tpot * 1e6, src, mb, bubble)
+    step_us = max(trip, mb * slowest)
+    bubble = step_us - mb * trip / cfg.pp  # idle time of the average stage per step
+    tpot = step_us / emitted
+    return Step(
+        concurrency, totals, tpot, concurrency / tpot * 1e6, src, mb, bubble, read, q, emitted
+    )
 
 
 def prefill(env: Env, cfg: Config, chunk: int) -> Step:

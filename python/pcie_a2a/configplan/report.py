@@ -324,6 +324,9 @@ def _step_doc(s) -> dict[str, Any]:
         "terms_ms": {k: v / 1e3 for k, v in s.terms.items()},
         "bubble_ms": s.bubble_us / 1e3,
         "micro_batches": s.micro_batches,
+        "rows_per_request": s.rows_per_request,
+        "tokens_per_step": s.tokens_per_step,
+        "bytes_read": dict(s.bytes_read),
         "sources": {k: {"kind": kd, "source": src} for k, (kd, src) in s.sources.items()},
     }
 
