@@ -12,7 +12,10 @@ leaves (graph replay or eager, :mod:`.tables`); ``framework`` is the stack's hos
 forward pass and per request in it, once per micro-batch, on the first stage (the
 scheduler feeds the pipeline). A pipeline of ``pp`` stages runs ``min(pp, C)`` micro-batches:
 time per output token is the larger of one trip through all stages and ``micro-batches x
-slowest stage``; ``bubble`` is what that leaves idle on the average stage.
+slowest stage``; ``bubble`` is what that leaves idle on the average stage. With the
+stack's MTP part (:class:`.stacks.Mtp`) a decode step runs each request's token and its
+drafts as rows and emits ``accept_len`` tokens per request: time per output token is the
+step over ``accept_len``.
 """
 
 from __future__ import annotations

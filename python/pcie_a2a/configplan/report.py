@@ -422,6 +422,16 @@ def to_doc(p: PlanResult) -> dict[str, Any]:
             "description": s.description,
             "fitted": {"step_us": s.step_us, "request_us": s.request_us},
             "like": s.like or None,
+            "mtp": (
+                {
+                    "draft_tokens": s.mtp.draft_tokens,
+                    "accept_len": s.mtp.accept_len,
+                    "method": s.mtp.method,
+                    "source": s.mtp.source,
+                }
+                if s.mtp
+                else None
+            ),
             "parts": [
                 {"name": pt.name, "value": pt.value, "cost": pt.cost, "source": pt.source}
                 for pt in s.parts()
