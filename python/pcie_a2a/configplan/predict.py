@@ -157,12 +157,17 @@ def _stage(
     # routed experts on the busiest EP rank, and what the average rank would take
     load = env.load(cfg, tokens) if n_moe else None
     if load is not None and tokens:
-        mean, _, how = experts_time(env, cfg, load.mean_experts, load.mean_rows, prefill)
-        busy, _, how_busy = experts_time(env, cfg, load.max_experts, load.max_rows, prefill)
+        mean, model, how = experts_time(env, cfg, load.mean_experts, load.mean_rows, prefill)
+        busy, model_busy, how_busy = experts_time(
+            env, cfg, load.max_experts, load.max_rows, prefill
+        )
         busy = max(busy, mean)
         t["experts"] = n_moe * mean
         t["imbalance"] = n_moe * (busy - mean)
-        src["experts"] = ("model", how or how_busy)
+        if not model or model_busy in ("", model):
+            src["experts"] = ("model", how or how_busy)
+        else:  # the busiest rank's rows cross into the other model's regime
+            src["experts"] = ("model", f"mean rank: {how}; busiest rank: {how_busy}")
         eb = n_moe * load.max_experts * m.expert_bytes() / cfg.moe_tp
         read["experts"] = read.get("experts", 0.0) + eb
         if m.shared_intermediate:
