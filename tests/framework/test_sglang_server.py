@@ -7,8 +7,13 @@ these tests skip with that reason, except under ``PCIE_A2A_REQUIRE_FRAMEWORKS=1`
 where they fail. torchvision and sgl_kernel have no CPU wheel: the server gets the
 stand-ins of tests/stubs on its PYTHONPATH (their functions raise if ever called).
 
-A tiny random-weight Qwen3-MoE checkpoint (8 experts, top-2) is written by the test. One
-server per configuration, each sent the same serial and concurrent requests:
+Two tiny random-weight checkpoints are written by the test (tiny_moe_models.py): a Qwen3-MoE
+(8 experts, top-2) and a DeepSeek-V3-shaped one (MLA attention, a shared expert, sigmoid
+scores with grouped top-k and a non-zero ``e_score_correction_bias``, ``routed_scaling_factor``
+2.5). MLA on the CPU engine's ``torch_native`` attention needs SGLang's absorbed-MLA method
+for prefill too (test-only plugin ``tests/stubs/sglang_cpu_engine/sglang_cpu_mla.py``, in every
+server). One server per checkpoint and configuration, each sent the same serial and
+concurrent requests:
 
 - ``--tp 2 --ep 2 --moe-a2a-backend none``: SGLang's own EP, the baseline (its CPU expert
   loop crashes on the -1 ids of experts held elsewhere; the test-only plugin
@@ -58,10 +63,10 @@ TP_EP = ["--tp", "2", "--ep", "2"]
 DP_ATTN = [*TP_EP, "--dp", "2", "--enable-dp-attention"]
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("qwen3_moe")
-    run_script(PY, HERE / "tiny_moe_models.py", [str(out), "qwen3_moe"], CPU_ENGINE_ENV, 300)
+@pytest.fixture(scope="module", params=["qwen3_moe", "deepseek_v3"])
+def model(request, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp(request.param)
+    run_script(PY, HERE / "tiny_moe_models.py", [str(out), request.param], CPU_ENGINE_ENV, 300)
     return out
 
 
@@ -91,7 +96,7 @@ def prompts(model) -> tuple[list[list[int]], list[list[int]]]:
 
 
 def _serve(model, args, backend, tmp_path_factory, prompts) -> dict:
-    name = f"{backend}_{'dp' if '--enable-dp-attention' in args else 'tp'}"
+    name = f"{model.name}_{backend}_{'dp' if '--enable-dp-attention' in args else 'tp'}"
     root = tmp_path_factory.mktemp(name)
     env = {**CPU_ENGINE_ENV, "PYTHONPATH": server_pythonpath(root / "path", backend == "none")}
     srv_args = [*args, "--moe-a2a-backend", backend]
