@@ -171,7 +171,41 @@ def _checks_then_cases(rank, world, local):
         with pytest.raises(NotImplementedError, match="low_latency_dispatch"):
             buf.low_latency_dispatch(torch.zeros(1, H, dtype=torch.bfloat16),
                                      torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, 1))  # fmt: skip
+    _bad_input_on_one_rank(rank, world)
     return [_run_case(rank, world, local, c, 100 * world + i) for i, c in enumerate(CASES)]
+
+
+def _bad_input_on_one_rank(rank, world):
+    """Bad input on one rank: it raises ValueError, every other rank PeerAbortedError naming
+    it (and its node); the Buffer stays usable and the call can be made again."""
+    import pcie_a2a
+
+    xs, ids, ws = _inputs(world, M, 4, 0.0, 3)
+    with pcie_a2a.Buffer(None, E, H, M, num_topk=K) as buf:
+        bad_ids = ids[rank].clone()
+        if rank == 1:
+            bad_ids[0, 0] = E
+        try:
+            buf.dispatch(xs[rank], bad_ids, ws[rank])
+            raise AssertionError("the dispatch with a bad id on rank 1 did not raise")
+        except ValueError as exc:
+            assert rank == 1 and "topk_ids" in str(exc), exc
+        except pcie_a2a.PeerAbortedError as exc:
+            assert rank != 1 and "rank 1 (node 0" in str(exc), exc
+        res = buf.dispatch(xs[rank], ids[rank], ws[rank])
+        y = _expert(res.x, res.topk_weights)
+        victim = world - 2  # node 1
+        try:
+            buf.combine(y[:-1] if rank == victim else y, res.handle)
+            raise AssertionError(f"the combine with a bad y on rank {victim} did not raise")
+        except ValueError as exc:
+            assert rank == victim and "y.shape" in str(exc), exc
+        except pcie_a2a.PeerAbortedError as exc:
+            assert rank != victim and f"rank {victim} (node 1" in str(exc), exc
+        out = buf.combine(y, res.handle)  # the same combine again, on every rank
+        _, _, in_rank = buf.get_dispatch_layout(ids[rank])
+        assert torch.equal(out.float(), xs[rank].float() * ws[rank].sum(1, keepdim=True))
+        assert in_rank.shape == (M, world)
 
 
 @pytest.mark.parametrize(("nodes", "local"), [(2, 2), (2, 4)])
