@@ -33,16 +33,17 @@ ROW = 16 + 32 + 32 + 2 * H  # dispatch_slot_bytes(128, 8, "bf16"): header, ids, 
 ROW_FP8 = 16 + 32 + 32 + H + 4 * (H // 128) + 12  # fp8 bytes, one fp32 scale, padded to 16
 HEADER = 16
 
-# (name, tokens per rank ("many": 1..M, varying), k, payload, placement, share of -1 slots)
+# (name, tokens per rank ("many": 1..M, varying), k, payload, placement, share of -1 slots,
+#  the low-latency layout also run (with "+hook": through return_recv_hook))
 CASES = [
-    ("no-tokens", 0, 2, "bf16", "contiguous", 0.0),
-    ("one-token-k1", 1, 1, "bf16", "contiguous", 0.0),
-    ("many-k2-random", "many", 2, "bf16", "random", 0.0),
-    ("many-k8-masked", "many", 8, "bf16", "contiguous", 0.3),
-    ("many-k8-fp8", "many", 8, "fp8", "contiguous", 0.2),
-    ("many-k8-redundant", "many", 8, "bf16", "redundant", 0.0),
-    ("many-k4-table-fp8", "many", 4, "fp8", "table", 0.25),
-    ("some-ranks-empty-k8", "some", 8, "bf16", "random", 0.1),
+    ("no-tokens", 0, 2, "bf16", "contiguous", 0.0, "rows"),
+    ("one-token-k1", 1, 1, "bf16", "contiguous", 0.0, "expert_major"),
+    ("many-k2-random", "many", 2, "bf16", "random", 0.0, "rows+hook"),
+    ("many-k8-masked", "many", 8, "bf16", "contiguous", 0.3, "expert_major"),
+    ("many-k8-fp8", "many", 8, "fp8", "contiguous", 0.2, "expert_major+hook"),
+    ("many-k8-redundant", "many", 8, "bf16", "redundant", 0.0, "rows"),
+    ("many-k4-table-fp8", "many", 4, "fp8", "table", 0.25, "rows"),
+    ("some-ranks-empty-k8", "some", 8, "bf16", "random", 0.1, "expert_major"),
 ]
 
 
@@ -106,7 +107,7 @@ def _run_case(rank, world, local, case, seed):
     from pcie_a2a import reference as ref
     from pcie_a2a.internode.buffer import InternodeBuffer
 
-    name, tokens, k, payload, place_kind, masked = case
+    name, tokens, k, payload, place_kind, masked, ll = case
     pl = _placement(place_kind, world)
     xs, ids, ws = _inputs(world, tokens, k, masked, seed)
     if payload == "fp8" and xs[0].shape[0]:  # one row of random values: a general fp8 row
@@ -145,8 +146,46 @@ def _run_case(rank, world, local, case, seed):
         ys = [_expert(e.x, e.topk_weights) for e in expected]
         want = ref.reference_combine(ys, expected, n_tok, H)[rank]
         assert out.dtype == torch.bfloat16 and torch.equal(out, want), f"{name}: combine"
+        _low_latency(buf, ll, xs[rank], ids[rank], ws[rank], exp, want, world, name)
         total = buf.stats()["internode_bytes"]
     return name, hier, flat, dispatch_bytes, total
+
+
+def _low_latency(buf, ll, x, ids, ws, exp, want, world, name):
+    """The low-latency layouts hold the reference rows (as tests/test_dispatch_combine.py
+    checks them) and their combine gives the same output."""
+    layout, hook = ll.split("+")[0], ll.endswith("+hook")
+    res = buf.low_latency_dispatch(x, ids, ws, layout=layout, return_recv_hook=hook)
+    res = res() if hook else res
+    counts = [int((exp.src_rank == s).sum()) for s in range(world)]
+    assert res.recv_count.tolist() == counts and res.tokens_per_expert_list == exp.tokens_per_expert
+    valid = torch.cat([torch.arange(s * M, s * M + c) for s, c in enumerate(counts)])
+    if layout == "rows":
+        assert list(res.x.shape) == [world, M, H]
+        assert torch.equal(res.x.reshape(world * M, H)[valid], exp.x), name
+        assert torch.equal(res.src_token.reshape(-1)[valid], exp.src_token), name
+        assert torch.equal(res.topk_ids.reshape(world * M, K)[valid], exp.topk_ids), name
+        assert torch.equal(res.topk_weights.reshape(world * M, K)[valid], exp.topk_weights)
+        y = torch.zeros(world * M, H, dtype=torch.bfloat16)
+        y[valid] = _expert(exp.x, exp.topk_weights)
+        y = y.view(world, M, H)
+    else:
+        e_local = len(exp.tokens_per_expert)
+        assert list(res.x.shape) == [e_local, world * M, H]
+        y = torch.zeros(e_local, world * M, H, dtype=torch.bfloat16)
+        for e in range(e_local):
+            rows = (exp.topk_ids == e).any(dim=1).nonzero().flatten()
+            n = rows.numel()
+            assert torch.equal(res.x[e, :n], exp.x[rows]), name
+            assert torch.equal(res.src_info[e, :n], exp.src_token[rows]), name
+            for s in range(world):
+                begin = int((exp.src_rank[rows] < s).sum())
+                n_s = int((exp.src_rank[rows] == s).sum())
+                assert int(res.layout_range[e, s]) == (begin << 32) | n_s, name
+            y[e, :n] = res.x[e, :n]  # unweighted output: x; the combine weights and sums
+    out = buf.low_latency_combine(y, res.handle, return_recv_hook=hook)
+    out = out() if hook else out
+    assert torch.equal(out, want), f"{name}: low-latency {layout} combine"
 
 
 def _checks_then_cases(rank, world, local):
@@ -167,10 +206,6 @@ def _checks_then_cases(rank, world, local):
             pcie_a2a.Buffer(None, E, H, M, num_topk=K)
     finally:
         buffer_mod.choose_backend = real
-    with pcie_a2a.Buffer(None, E, H, M, num_topk=K) as buf:
-        with pytest.raises(NotImplementedError, match="low_latency_dispatch"):
-            buf.low_latency_dispatch(torch.zeros(1, H, dtype=torch.bfloat16),
-                                     torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, 1))  # fmt: skip
     _bad_input_on_one_rank(rank, world)
     return [_run_case(rank, world, local, c, 100 * world + i) for i, c in enumerate(CASES)]
 

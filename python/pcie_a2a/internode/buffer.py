@@ -43,7 +43,6 @@ import datetime
 import itertools
 import re
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -101,6 +100,7 @@ class InternodeHandle(DispatchHandle):
     order: torch.Tensor | None = None  # result row i is the inner Buffer's row order[i]
     sent: list[torch.Tensor] = field(default_factory=list)  # [node]: tokens sent there
     received: list[torch.Tensor] = field(default_factory=list)  # [node]: its tokens, as received
+    slot: torch.Tensor | None = None  # low-latency rows: flat row i is slot s * max_tokens + j
 
 
 class _NoTransport:
@@ -118,7 +118,8 @@ def _native_errors():
 class InternodeBuffer(Buffer):
     """A :class:`Buffer` over several nodes (see the module docstring). Made by
     ``Buffer(group, ...)`` when the group spans nodes; normal-mode ``dispatch``/``combine``
-    on the CPU backend. Not yet: the CUDA backend, low-latency calls, ``pair_direction``
+    on the CPU backend; low-latency calls run on the same path. Not yet: the CUDA
+    backend, ``pair_direction``
     and ``max_dispatch_tokens`` (each refused with an error naming it)."""
 
     _nodes: NodeLayout
@@ -268,23 +269,119 @@ class InternodeBuffer(Buffer):
             "decisions": inner["decisions"],
         }
 
-    # ---- not yet across nodes ----------------------------------------------------------
-    def _not_yet(self, what: str):
-        self._check_usable()
-        return NotImplementedError(
-            f"{what} is not available on a Buffer across nodes yet (normal-mode dispatch and "
-            "combine are); use dispatch/combine"
-        )
+    # ---- low-latency mode: the normal path, laid out statically ----------------------
+    def low_latency_dispatch(
+        self,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        *,
+        layout: str = "rows",
+        return_fp8: bool = False,
+        return_recv_hook: bool = False,
+    ):
+        """:meth:`Buffer.low_latency_dispatch`'s layouts and results, built on the normal
+        path (across nodes the CPU backend has no separate low-latency protocol). With
+        ``return_recv_hook`` the whole call runs now and the hook returns its result."""
+        res = self._dispatch_one(x, topk_ids, topk_weights, return_fp8, layout=layout)
+        out = self._ll_rows(res) if layout == "rows" else self._ll_expert_major(res)
+        return self._with_hook(lambda: out, return_recv_hook, "low_latency_dispatch", self._seq)
 
-    def low_latency_dispatch(self, *args: Any, **kwargs: Any):
-        raise self._not_yet("low_latency_dispatch")
+    def low_latency_combine(
+        self,
+        y: torch.Tensor,
+        handle: DispatchHandle,
+        *,
+        return_recv_hook: bool = False,
+        out: torch.Tensor | None = None,
+    ):
+        """:meth:`Buffer.low_latency_combine` (``rows``: weighted rows ``[world, max_tokens,
+        H]``; ``expert_major``: unweighted expert outputs, weighted and summed per row in
+        fp32 here) on the normal path; with ``return_recv_hook`` the hook returns ``out``."""
+        res = self._combine_one(y, handle, out, mode="low_latency")
+        return self._with_hook(lambda: res, return_recv_hook, "low_latency_combine", self._seq)
 
-    def low_latency_combine(self, *args: Any, **kwargs: Any):
-        raise self._not_yet("low_latency_combine")
+    def _ll_rows(self, res: DispatchResult) -> DispatchResult:
+        w, m, k = self.world, self.max_tokens_per_rank, self.num_topk
+        handle = res.handle
+        slot = handle.slot
+        xo = torch.zeros(w * m, *res.x.shape[1:], dtype=res.x.dtype)
+        xo[slot] = res.x
+        scales = None
+        if res.x_scales is not None:
+            scales = torch.zeros(w * m, res.x_scales.shape[1], dtype=torch.float32)
+            scales[slot] = res.x_scales
+            scales = scales.view(w, m, -1)
+        src_rank = torch.full((w * m,), -1, dtype=torch.int32)
+        src_token = torch.full((w * m,), -1, dtype=torch.int32)
+        ids = torch.full((w * m, k), -1, dtype=torch.int32)
+        ws = torch.zeros(w * m, k, dtype=torch.float32)
+        src_rank[slot], src_token[slot] = res.src_rank, res.src_token
+        ids[slot], ws[slot] = res.topk_ids, res.topk_weights
+        handle.mode, handle.layout = "low_latency", "rows"
+        handle.row_base = torch.arange(w, dtype=torch.int64) * m
+        return DispatchResult(
+            x=xo.view(w, m, -1), x_scales=scales, src_rank=src_rank.view(w, m),
+            src_token=src_token.view(w, m), topk_ids=ids.view(w, m, k),
+            topk_weights=ws.view(w, m, k), recv_count=res.recv_count,
+            tokens_per_expert=res.tokens_per_expert, handle=handle,
+        )  # fmt: skip
+
+    def _ll_expert_major(self, res: DispatchResult) -> DispatchResult:
+        rows = self._ll_rows(res)
+        w, m = self.world, self.max_tokens_per_rank
+        e_local, cap = self.num_local_experts, w * m
+        handle = res.handle
+        handle.layout = "expert_major"
+        ids, src = res.topk_ids, res.src_rank.long()
+        handle.row_experts, handle.row_weights = ids, res.topk_weights
+        xe = torch.zeros(e_local, cap, *res.x.shape[1:], dtype=res.x.dtype)
+        scales = None
+        if res.x_scales is not None:
+            scales = torch.zeros(e_local, cap, res.x_scales.shape[1], dtype=torch.float32)
+        src_info = torch.full((e_local, cap), -1, dtype=torch.int32)
+        layout_range = torch.zeros(e_local, w, dtype=torch.int64)
+        handle.expert_pos = torch.full(tuple(ids.shape), -1, dtype=torch.int64)
+        for e in range(e_local):
+            mine = (ids == e).any(dim=1).nonzero().flatten()  # in the flat row order
+            n = mine.numel()
+            xe[e, :n] = res.x[mine]
+            if scales is not None:
+                scales[e, :n] = res.x_scales[mine]
+            src_info[e, :n] = res.src_token[mine]
+            slot = (ids[mine] == e).int().argmax(dim=1)
+            handle.expert_pos[mine, slot] = torch.arange(n)
+            count = torch.bincount(src[mine], minlength=w)
+            layout_range[e] = ((torch.cumsum(count, 0) - count) << 32) | count
+        return DispatchResult(
+            x=xe, x_scales=scales, src_rank=None, src_token=None, topk_ids=rows.topk_ids,
+            topk_weights=rows.topk_weights, recv_count=res.recv_count,
+            tokens_per_expert=res.tokens_per_expert, handle=handle, src_info=src_info,
+            layout_range=layout_range,
+        )  # fmt: skip
+
+    def _rows_of(self, y: torch.Tensor, handle: InternodeHandle) -> torch.Tensor:
+        """A low-latency combine's input as the normal combine's rows (flat order)."""
+        w, m, h = self.world, self.max_tokens_per_rank, self.hidden
+        if handle.layout == "rows":
+            return self._check_y(y, (w, m, h)).view(w * m, h)[handle.slot]
+        y = self._check_y(y, (self.num_local_experts, w * m, h))
+        ids, ws = handle.row_experts, handle.row_weights
+        acc = torch.zeros(ids.shape[0], h, dtype=torch.float32)
+        for k in range(ids.shape[1]):  # slot order, as the flat pre-reduction sums
+            rows = (ids[:, k] >= 0).nonzero().flatten()
+            if rows.numel():
+                part = y[ids[rows, k].long(), handle.expert_pos[rows, k]].float()
+                acc[rows] += ws[rows, k : k + 1] * part
+        return acc.to(self.dtype)
 
     # ---- calls -------------------------------------------------------------------------
     def _start(self) -> None:
         self._check_usable()
+        if self._pending_hook is not None:
+            what, seq = self._pending_hook
+            raise RuntimeError(f"call the receive hook of {what} (call {seq}) before starting "
+                               "another call on this Buffer")  # fmt: skip
         self._seq += 1
         self._rail_last = [0] * self._nodes.num_nodes
 
@@ -292,12 +389,12 @@ class InternodeBuffer(Buffer):
         self._calls += 1
         self._rail_total = [a + b for a, b in zip(self._rail_total, self._rail_last)]
 
-    def _dispatch_one(self, x, topk_ids, topk_weights, return_fp8, pieces=False):
+    def _dispatch_one(self, x, topk_ids, topk_weights, return_fp8, pieces=False, layout="rows"):
         del pieces  # refused at construction
         self._start()
         bad = None
         try:
-            self._check_options("rows", return_fp8)
+            self._check_options(layout, return_fp8)
             x = self._check_x(x)
             ids = self._check_topk_ids(topk_ids, x.shape[0])
             w = self._check_weights(topk_weights, ids).contiguous()
@@ -360,6 +457,10 @@ class InternodeBuffer(Buffer):
             torch.tensor(bases, dtype=torch.int64), recv_count_host=counts_host,
             row_base_host=bases, inner=res.handle, order=order, sent=sent, received=received,
         )  # fmt: skip
+        src_sorted = src[order]
+        handle.slot = src_sorted * m + (
+            torch.arange(src_sorted.numel()) - torch.tensor(bases, dtype=torch.int64)[src_sorted]
+        )
         self._count_load(ids)
         self._count_call()
         return DispatchResult(
@@ -374,11 +475,13 @@ class InternodeBuffer(Buffer):
             handle=handle,
         )
 
-    def _combine_one(self, y, handle, out=None) -> torch.Tensor:
+    def _combine_one(self, y, handle, out=None, mode="normal") -> torch.Tensor:
         self._start()
         bad = None
         try:
-            handle = self._check_handle(handle, "normal")
+            handle = self._check_handle(handle, mode)
+            if mode == "low_latency":
+                y = self._rows_of(y, handle)
             y = self._check_y(y, (sum(handle.recv_count_host), self.hidden))
             out = self._check_out(out, handle.num_tokens)
         except (TypeError, ValueError) as exc:
