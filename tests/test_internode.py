@@ -261,6 +261,34 @@ def test_internode_matches_reference(nodes, local, monkeypatch):
     assert by_case["one-token-k1"][0] == by_case["one-token-k1"][1]  # one expert: no dedup
 
 
+def test_nodes_from_hosts_and_local_world_size(monkeypatch):
+    from pcie_a2a import env
+    from pcie_a2a.internode import find_nodes
+
+    two = find_nodes(["a", "b", "a", "b"])  # ranks interleaved over two hosts
+    assert two.ranks == ((0, 2), (1, 3)) and two.hosts == ("a", "b")
+    assert two.rail(1) == (2, 3) and two.node_of(3) == 1 and two.local_index(3) == 1
+    assert two.describe(2) == "rank 2 (node 0 on host a, local rank 1)"
+    split = find_nodes(["h"] * 8, 4)
+    assert split.ranks == ((0, 1, 2, 3), (4, 5, 6, 7)) and split.rail(2) == (2, 6)
+    assert find_nodes(["h"] * 4).num_nodes == 1
+    assert find_nodes(["a", "a", "b", "b"], 1).ranks == ((0,), (1,), (2,), (3,))
+    with pytest.raises(ValueError, match="PCIE_A2A_LOCAL_WORLD_SIZE: got 3; allowed: a positive "
+                       "divisor of the group size 4"):  # fmt: skip
+        find_nodes(["h"] * 4, 3)
+    with pytest.raises(ValueError, match="host a has 3 ranks of the 6"):
+        find_nodes(["a"] * 3 + ["b"] * 3, 2)
+    with pytest.raises(ValueError, match=r"different sizes \(a: 3, b: 1 ranks\)"):
+        find_nodes(["a", "a", "a", "b"])
+    monkeypatch.setenv("PCIE_A2A_LOCAL_WORLD_SIZE", "two")
+    with pytest.raises(ValueError, match="PCIE_A2A_LOCAL_WORLD_SIZE='two': expected an integer"):
+        env.local_world_size()
+    monkeypatch.setenv("PCIE_A2A_LOCAL_WORLD_SIZE", "2")
+    assert env.local_world_size() == 2
+    monkeypatch.delenv("PCIE_A2A_LOCAL_WORLD_SIZE")
+    assert env.local_world_size() is None
+
+
 TIMEOUT = 5.0
 
 

@@ -22,6 +22,8 @@ Dispatch:
    token). fp8 rows are dequantised by the proxy and quantised again by the inner Buffer:
    that gives the source's bytes and scales back exactly (the row's largest element is
    unchanged by the bf16 round trip, and no other element moves by half an e4m3 step).
+   With ``dtype=float16`` a dequantised value below fp16's range flushes, so such a row's
+   raw ``return_fp8`` bytes can differ from the flat Buffer's (its dequantised x does not).
 
 Combine reverses it: the inner combine sums the node's partials of each proxy row in fp32
 (kept in fp32: ``combine_recv_fp32``), the proxy sends each remote token's node sum back
@@ -119,8 +121,8 @@ class InternodeBuffer(Buffer):
     """A :class:`Buffer` over several nodes (see the module docstring). Made by
     ``Buffer(group, ...)`` when the group spans nodes; normal-mode ``dispatch``/``combine``
     on the CPU backend; low-latency calls run on the same path. Not yet: the CUDA
-    backend, ``pair_direction``
-    and ``max_dispatch_tokens`` (each refused with an error naming it)."""
+    backend, ``pair_direction`` and ``max_dispatch_tokens`` (each refused with an error
+    naming it)."""
 
     _nodes: NodeLayout
 
