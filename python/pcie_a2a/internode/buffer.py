@@ -22,8 +22,9 @@ Dispatch:
    token). fp8 rows are dequantised by the proxy and quantised again by the inner Buffer:
    that gives the source's bytes and scales back exactly (the row's largest element is
    unchanged by the bf16 round trip, and no other element moves by half an e4m3 step).
-   With ``dtype=float16`` a dequantised value below fp16's range flushes, so such a row's
-   raw ``return_fp8`` bytes can differ from the flat Buffer's (its dequantised x does not).
+   With ``dtype=float16`` that holds unless a dequantised value falls in fp16's subnormal
+   range, where the round trip can move it: such a row can then differ from the flat
+   Buffer's (bf16, the default, has no such range in practice; the tests use bf16).
 
 Combine reverses it: the inner combine sums the node's partials of each proxy row in fp32
 (kept in fp32: ``combine_recv_fp32``), the proxy sends each remote token's node sum back
