@@ -233,5 +233,14 @@ PYBIND11_MODULE(_transport, m) {
             t.combine_recv(seq, op, parity, timeout_s, ptr<const int32_t>(send_token),
                            ptr<const int32_t>(send_count), num_tokens, ptr<void>(out));
           },
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "combine_recv_fp32",
+          [](ShmTransport& t, uint32_t seq, uint32_t op, int parity, double timeout_s,
+             uintptr_t send_token, uintptr_t send_count, int32_t num_tokens, uintptr_t out) {
+            t.combine_recv(seq, op, parity, timeout_s, ptr<const int32_t>(send_token),
+                           ptr<const int32_t>(send_count), num_tokens, ptr<void>(out),
+                           /*out_fp32=*/true);
+          },
           py::call_guard<py::gil_scoped_release>());
 }

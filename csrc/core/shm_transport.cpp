@@ -503,7 +503,7 @@ void ShmTransport::reduce_expert_major(const void* y, const int32_t* counts,
 
 void ShmTransport::combine_recv(uint32_t seq, uint32_t op, int parity, double timeout_s,
                                 const int32_t* send_token, const int32_t* send_count,
-                                int32_t num_tokens, void* out) {
+                                int32_t num_tokens, void* out, bool out_fp32) {
   const WireConfig& c = config_;
   const int32_t W = c.world, M = c.max_tokens, H = c.hidden;
   const std::vector<int32_t> counts = wait(seq, op, timeout_s);
@@ -525,6 +525,10 @@ void ShmTransport::combine_recv(uint32_t seq, uint32_t op, int parity, double ti
     }
   }
   mark_consumed(kCombineRegion, seq);
+  if (out_fp32) {
+    std::memcpy(out, acc_.data(), acc_.size() * sizeof(float));
+    return;
+  }
   float_row_to_half(acc_.data(), static_cast<int>(acc_.size()), c.dtype,
                     static_cast<uint16_t*>(out));
 }

@@ -112,9 +112,11 @@ class ShmTransport {
 
   // Waits for call `seq` and sums the returned partials of each token in fp32, in
   // ascending rank order, into out[num_tokens, H] (buffer dtype). Tokens sent nowhere are 0.
+  // out_fp32: out is float[num_tokens, H] and keeps the fp32 sums (the inter-node path sends a
+  // node's partial sum across the hop without rounding it to the dtype first).
   void combine_recv(uint32_t seq, uint32_t op, int parity, double timeout_s,
                     const int32_t* send_token, const int32_t* send_count, int32_t num_tokens,
-                    void* out);
+                    void* out, bool out_fp32 = false);
 
   // Bytes this rank moved to each rank during the last call (own rank: local): rows it
   // pushed into that rank's segment or staged there for it to pull, and flags it stored.

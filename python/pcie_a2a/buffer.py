@@ -136,6 +136,23 @@ class Buffer:
             gives each pair's direction with its reason (explicit, plan, env, default).
     """
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> Buffer:
+        # A group spanning several nodes gets the hierarchical Buffer (same API). Finding
+        # the nodes is collective (the ranks' host names); Buffer.__new__(Buffer) without
+        # arguments makes a bare object, as pickling and some tests do.
+        if cls is Buffer and (args or kwargs) and dist.is_available() and dist.is_initialized():
+            from pcie_a2a.internode import nodes_of_group
+
+            group = args[0] if args else kwargs.get("group")
+            nodes = nodes_of_group(group if group is not None else dist.group.WORLD)
+            if nodes.num_nodes > 1:
+                from pcie_a2a.internode.buffer import InternodeBuffer
+
+                obj = super().__new__(InternodeBuffer)
+                obj._nodes = nodes
+                return obj
+        return super().__new__(cls)
+
     def __init__(
         self,
         group: dist.ProcessGroup | None,
@@ -266,14 +283,7 @@ class Buffer:
     def _bootstrap(self) -> None:
         uid = f"{os.getpid()}_{secrets.token_hex(6)}"
         gathered = self._gather((self._config(), uid))
-        for key, mine in gathered[0][0].items():
-            values = [g[0][key] for g in gathered]
-            if any(v != mine for v in values):
-                shown = values if key not in ("placement", "replica_choice") else "(differs)"
-                raise ValueError(
-                    f"Buffer argument {key!r} differs between ranks: {shown}; "
-                    "every rank must pass the same value"
-                )
+        _check_same_config([g[0] for g in gathered])
         spec = TransportSpec(
             self.group, self.rank, self.world, self.hidden, self.max_tokens_per_rank,
             self.num_topk, _PAYLOADS[self.payload], _DTYPES[self.dtype], self.placement,
@@ -350,7 +360,8 @@ class Buffer:
         and the transport's per-pair decisions.
 
         Entry ``[self.rank]`` is the local copy; ``*_wire_bytes`` exclude it (bytes that
-        cross a link). ``decisions``: for each pair this rank sends on, the path, direction,
+        cross a link). ``last_internode_bytes`` / ``internode_bytes`` (last call / total):
+        the part sent to other nodes, 0 in a group on one node. ``decisions``: for each pair this rank sends on, the path, direction,
         engine and phase the transport uses and why, with the topology plan's decision for
         the pair where there is a plan (:func:`pcie_a2a.transport.pair_decisions`).
         """
@@ -367,6 +378,8 @@ class Buffer:
             "total_bytes_per_rank": list(total),
             "last_wire_bytes": sum(b for r, b in enumerate(last) if r != me),
             "total_wire_bytes": sum(b for r, b in enumerate(total) if r != me),
+            "last_internode_bytes": 0,  # one node (see pcie_a2a.internode)
+            "internode_bytes": 0,
             "numa_node": self._transport.numa_node,
             "numa_bound": bool(self._transport.numa_bound),
             "decisions": self._transport.decisions(),
@@ -999,6 +1012,18 @@ class Buffer:
             handle.row_weights,
         )
         return self._combine_receive(seq, op, parity, handle, return_recv_hook, out)
+
+
+def _check_same_config(configs: list[dict]) -> None:
+    """Raises (on every rank: each has the same gathered list) when ranks disagree."""
+    for key, mine in configs[0].items():
+        values = [c[key] for c in configs]
+        if any(v != mine for v in values):
+            shown = values if key not in ("placement", "replica_choice") else "(differs)"
+            raise ValueError(
+                f"Buffer argument {key!r} differs between ranks: {shown}; "
+                "every rank must pass the same value"
+            )
 
 
 def _check_pair_direction(direction: Any, world: int) -> tuple[tuple[str, ...], ...] | None:

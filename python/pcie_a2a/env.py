@@ -86,6 +86,15 @@ def p2p_level() -> str | None:
     return None if value is None else value.upper()
 
 
+def local_world_size() -> int | None:
+    """PCIE_A2A_LOCAL_WORLD_SIZE=L: ranks per node. Each host's ranks are split into nodes of
+    L consecutive ranks, so one host can stand in for several nodes (tests, debugging); the
+    inter-node path (pcie_a2a.internode) then runs between them. Unset: one node per host."""
+    if _get("PCIE_A2A_LOCAL_WORLD_SIZE") is None:
+        return None
+    return get_int("PCIE_A2A_LOCAL_WORLD_SIZE", 0)
+
+
 # ---- per-pair decisions and the calibration probe (pcie_a2a.topology) ----------------------
 def _choice(
     name: str, allowed: tuple[str, ...], aliases: dict[str, str] | None = None

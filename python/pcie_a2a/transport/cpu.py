@@ -130,6 +130,10 @@ class CpuTransport(Transport):
     def combine_recv(self, *args) -> None:
         self._call("combine_recv", *args)
 
+    def combine_recv_fp32(self, *args) -> None:
+        """combine_recv into a float32 ``out`` (the fp32 sums, not rounded to the dtype)."""
+        self._call("combine_recv_fp32", *args)
+
     def abort(self, seq, op, timeout_s) -> None:
         self._tx.abort(seq, op, timeout_s)
 
