@@ -31,7 +31,7 @@ from pcie_a2a.configplan.stacks import STACKS
 from pcie_a2a.configplan.tables import KB, MB, Curve, Tables
 from pcie_a2a.configplan.topo import synthetic_topology
 from pcie_a2a.gpus import GPUS
-from pcie_a2a.topology import Traffic, expected_distinct_ranks, plan
+from pcie_a2a.topology import Traffic, expected_distinct_ranks, plan_transfers
 
 H, I, L, E, K, V = 7168, 2048, 61, 384, 8, 163840
 BW = 1792e3 * 0.85  # bytes per µs at the assumed memory efficiency
@@ -229,7 +229,7 @@ def test_pcie_a2a_exchange_is_the_topology_planners_prediction(kimi):
 
     disp = Traffic("d", matrix(16 + 8 * K + H + 4 * (H // 128)))
     comb = Traffic("c", matrix(2 * H))
-    want = sum(r.predicted_us for r in plan(topo, [disp, comb]).reports) + 2 * 5.0
+    want = sum(r.predicted_us for r in plan_transfers(topo, [disp, comb]).reports) + 2 * 5.0
     assert got.us == pytest.approx(want, rel=1e-9)
     assert got.kind == "model"
     assert dispatch_row_bytes(H, K, "bf16") == 16 + 64 + 2 * H
