@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from pcie_a2a.configplan import ask
+from pcie_a2a.configplan import ask, report
 from pcie_a2a.configplan.api import Inputs, make_plan
 from pcie_a2a.configplan.calibrate import calibration_env
 from pcie_a2a.configplan.configs import Config
@@ -108,7 +108,6 @@ def test_stack_file_like_and_points(tmp_path):
                                 "env": ["PCIE_A2A_ALLREDUCE=1"], "like": "vllm-tuned"}))  # fmt: skip
     p = make_plan(Inputs(topo=BOX, stack_file=str(like), gpus=8))
     assert p.stack.name == "mine" and p.stack.step_us > 0
-    from pcie_a2a.configplan import report
 
     line = report.commands(p, p.recommendation.latency)["sglang"]
     assert line.startswith("PCIE_A2A_ALLREDUCE=1 python -m sglang.launch_server")
@@ -131,6 +130,46 @@ def test_stack_file_like_and_points(tmp_path):
         with pytest.raises(ValueError, match="--stack-file") as e:
             load_stack(str(bad))
         assert fragment in str(e.value)
+
+
+def test_stack_file_mtp(tmp_path):
+    """'mtp' in a stack file: the user's drafts and accepted length (no shipped claim), a
+    'like' stack's MTP unless the file says, null for off; bad values name the key."""
+    f = tmp_path / "spec.json"
+    mtp = {"draft_tokens": 2, "accept_len": 1.7, "source": "my server's SpecDecoding log"}
+    f.write_text(json.dumps({"framework": "vllm", "like": "vllm-tuned", "mtp": mtp}))
+    s = load_stack(str(f))
+    assert (s.mtp.draft_tokens, s.mtp.accept_len, s.mtp.source) == (2, 1.7, mtp["source"])
+    assert {p.name: p.value for p in s.parts()}["MTP"] == "2 draft tokens, 1.7 tokens per step"
+    f.write_text(json.dumps({"framework": "vllm", "like": "vllm-tuned-mtp"}))
+    assert load_stack(str(f)).mtp == STACKS["vllm-tuned-mtp"].mtp
+    f.write_text(json.dumps({"framework": "vllm", "like": "vllm-tuned-mtp", "mtp": None}))
+    assert load_stack(str(f)).mtp is None
+    for bad, fragment in (
+        ({"draft_tokens": 0, "accept_len": 1.0}, "mtp.draft_tokens: got 0; allowed: an int >= 1"),
+        ({"draft_tokens": 2, "accept_len": 3.5}, "mtp.accept_len: got 3.5; allowed: a number from 1 to 1 + draft_tokens (3)"),
+        ({"draft_tokens": 2, "accept_len": 0.5}, "mtp.accept_len: got 0.5"),
+        ({"draft_tokens": 2, "accept_len": "1.7"}, "mtp.accept_len: got '1.7'"),
+        ({"draft_tokens": 2}, "mtp: got {'draft_tokens': 2}; allowed: null (off) or"),
+        ({"draft_tokens": 2, "accept_len": 1.5, "k": 1}, "mtp: unknown keys ['k']"),
+        (True, "mtp: got True"),
+    ):  # fmt: skip
+        f.write_text(json.dumps({"framework": "vllm", "like": "vllm-tuned", "mtp": bad}))
+        with pytest.raises(ValueError, match="--stack-file") as e:
+            load_stack(str(f))
+        assert fragment in str(e.value)
+
+
+def test_mtp_stack_plans_and_says_whose_draft_it_is():
+    # 2 of the box's GPUs keep it quick (Kimi does not fit there; the plan still predicts)
+    p = make_plan(Inputs(topo=BOX, stack="vllm-tuned-mtp", gpus=2))
+    tp2 = next(r for r in p.results if r.config == Config(2))
+    assert tp2.steps[1].tokens_per_step == pytest.approx(2.278)
+    assert not any(a.startswith("MTP:") for a in p.assumed)  # measured on this model
+    line = report.commands(p, tp2)["vllm"]
+    assert '"method": "eagle3"' in line and '"num_speculative_tokens": 3' in line
+    glm = make_plan(Inputs(model="glm-4.5-fp8", topo=BOX, stack="vllm-tuned-mtp", gpus=2))
+    assert any("measured on kimi-k2.6, not on glm-4.5-fp8" in a for a in glm.assumed)
 
 
 def test_topo_path_brings_its_pair_file_and_without_one_says_assumed(tmp_path):

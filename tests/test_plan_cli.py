@@ -98,7 +98,9 @@ def test_json_schema(box_doc):
     band = doc["stack"]["band"]
     assert band["low"] == pytest.approx(1 / (1 + max(worst_up, 0)))
     assert band["high"] == pytest.approx(1 / (1 + min(worst_down, 0)))
-    assert {p["name"] for p in doc["stack"]["parts"]} >= {"framework", "cuda graphs", "all-reduce"}
+    parts = {p["name"] for p in doc["stack"]["parts"]}
+    assert parts >= {"framework", "cuda graphs", "all-reduce", "MTP"}
+    assert doc["stack"]["mtp"] is None  # vllm-tuned: no speculative decoding
     assert doc["max_model_len"] == 4096 + 1024
     for value in doc["constants"].values():  # every constant carries its source
         if isinstance(value, dict):
@@ -124,6 +126,10 @@ def test_json_schema(box_doc):
                 "attention", "experts", "shared", "comm", "imbalance", "other", "launch",
                 "framework",
             }  # fmt: skip
+            # the routed experts name their model: the INT4 grid model here (Kimi K2.6's
+            # INT4 experts on RTX PRO 6000 at decode), the roofline otherwise
+            assert s["sources"]["experts"]["source"].startswith("INT4 grid model")
+            assert s["tokens_per_step"] == 1.0 and s["rows_per_request"] == 1
             for src in s["sources"].values():
                 assert src["kind"] in (
                     "measured",

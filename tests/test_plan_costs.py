@@ -27,10 +27,11 @@ from pcie_a2a.configplan.imbalance import (
 from pcie_a2a.configplan.measured import Measured
 from pcie_a2a.configplan.models import WeightFormat, load_model
 from pcie_a2a.configplan.predict import step
-from pcie_a2a.configplan.stacks import STACKS
+from pcie_a2a.configplan.stacks import STACKS, Mtp
 from pcie_a2a.configplan.tables import KB, MB, Curve, Tables
 from pcie_a2a.configplan.topo import synthetic_topology
 from pcie_a2a.gpus import GPUS
+from pcie_a2a.quant import grid_model
 from pcie_a2a.topology import Traffic, expected_distinct_ranks, plan_transfers
 
 H, I, L, E, K, V = 7168, 2048, 61, 384, 8, 163840
@@ -43,9 +44,35 @@ def kimi():
     return load_model("kimi-k2.6")
 
 
-def env_for(stack: str = "vllm-tuned", step_us: float = 0.0, request_us: float = 0.0, **kw):
+def env_for(
+    stack: str = "vllm-tuned", step_us: float = 0.0, request_us: float = 0.0, mtp=None, **kw
+):
     s = replace(STACKS[stack], step_us=step_us, request_us=request_us)
+    if mtp is not None:
+        s = replace(s, mtp=mtp)
     return replace(calibration_env(s, Tables()), **kw)
+
+
+# Kimi K2.6's routed experts on one of 8 EP ranks, from its config.json (hidden 7168,
+# moe_intermediate 2048, 384 experts / 8 ranks, top-8, INT4 group 32); the low-latency
+# receive buffer holds 8 ranks x 8192 tokens (vLLM's chunk, which its launch line sets as
+# PCIE_A2A_MAX_TOKENS_PER_RANK)
+EP8_SHAPE = grid_model.Shape(
+    hidden=7168, intermediate=2048, local_experts=48, topk=8, group=32, ll_rows=8 * 8192
+)
+
+
+def grid_us(active: float, shape, layout: str, rows: int = 1) -> float:
+    """The grid model's time for an expected number of experts: linear between the two
+    whole numbers around it (docs/plan.md)."""
+    lo = math.floor(active)
+    t = [
+        grid_model.predict("rtx_pro_6000", a, rows, shape=shape, layout=layout).time_us
+        if a
+        else 0.0
+        for a in (lo, lo + 1)
+    ]
+    return t[0] + (active - lo) * (t[1] - t[0])
 
 
 # kernels per step counted by hand from the frameworks' decode path (docs/plan.md): 12 for
@@ -111,8 +138,13 @@ def test_tp8_decode_terms_at_c1_by_hand(kimi):
     split, repl = kimi.attention_params()
     attn = L * 2 * (split / 8 + repl) / BW
     assert s.terms["attention"] == pytest.approx(attn, rel=1e-9)
-    # one token touches 8 experts; MoE TP 8: each GPU reads 1/8 of each (60 MoE layers)
-    assert s.terms["experts"] == pytest.approx(60 * 8 * 24_772_608 / 8 / BW, rel=1e-6)
+    # one token touches 8 experts; MoE TP 8: each GPU holds a 1/8 slice (moe_intermediate
+    # 2048 / 8 = 256) of all 384: pcie_a2a's INT4 kernel model for 8 experts of one row each
+    tp8 = grid_model.Shape(hidden=7168, intermediate=256, local_experts=384, topk=8, group=32)
+    one = grid_model.predict("rtx_pro_6000", 8, 1, shape=tp8, layout="normal").time_us
+    assert s.terms["experts"] == pytest.approx(60 * one, rel=1e-9)
+    # no faster than streaming the 8 slices at the spec DRAM bandwidth (gpus.py: 1792 GB/s)
+    assert s.terms["experts"] >= 60 * 8 * 24_772_608 / 8 / 1792e3
     assert s.terms["imbalance"] == 0.0
     assert s.terms["shared"] == pytest.approx(60 * 3 * H * I * 2 / 8 / BW, rel=1e-9)
     ar = Tables().custom_ar8(H * 2)  # 14,336 B: 11.8 µs measured
@@ -150,9 +182,11 @@ def test_ep_imbalance_and_no_per_expert_overhead(kimi):
     s = step(env, cfg, 1)
     load = env.load(cfg, 1)
     assert load.mean_experts == pytest.approx(1.0)  # 8 experts over 8 ranks
-    full = 24_772_608 / BW
-    assert s.terms["experts"] == pytest.approx(60 * full, rel=1e-6)
-    assert s.terms["imbalance"] == pytest.approx(60 * (load.max_experts - 1) * full, rel=1e-6)
+    # each rank holds 384 / 8 = 48 whole experts; the mean rank runs one, of one row
+    mean = grid_us(1.0, EP8_SHAPE, "normal")
+    assert s.terms["experts"] == pytest.approx(60 * mean, rel=1e-9)
+    busy = grid_us(load.max_experts, EP8_SHAPE, "normal")
+    assert s.terms["imbalance"] == pytest.approx(60 * (busy - mean), rel=1e-9)
     # the overheads do not depend on how many experts a rank runs: same as TP8's
     tp8 = step(env, Config(8), 1)
     assert s.terms["launch"] == tp8.terms["launch"] == pytest.approx(1461 * 2.5)
@@ -572,3 +606,151 @@ def test_every_model_of_the_exchange_counts_the_wire_formats_rows(hidden, topk, 
     native = pytest.importorskip("pcie_a2a._transport")
     code = {"bf16": 0, "fp8": 2}[payload]
     assert tuple(native.slot_bytes(8, hidden, 256, topk, code, 0)[:2]) == want
+
+
+# ---- one expert-GEMM cost ------------------------------------------------------------------
+
+
+def test_int4_experts_on_a_grid_modelled_gpu_take_the_grid_model():
+    """Kimi K2.6 (INT4 g32 experts), RTX PRO 6000, DP8 + EP8 pcie_a2a, C = 1: the routed
+    experts are 60 MoE layers x pcie_a2a's INT4 kernel model (quant/grid_model.py, the one
+    scripts/sass_report.py ties to the SASS) of the mean rank, one expert of one row, in the
+    low-latency layout; the imbalance is the busiest rank's expected experts less that."""
+    env = env_for()
+    cfg = Config(8, 1, 8, 8, "pcie_a2a")
+    s = step(env, cfg, 1)
+    load = env.load(cfg, 1)
+    assert load.mean_experts == pytest.approx(1.0) and load.mean_rows == pytest.approx(1.0)
+    mean = grid_model.predict("rtx_pro_6000", 1, 1, shape=EP8_SHAPE, layout="low_latency")
+    assert s.terms["experts"] == pytest.approx(60 * mean.time_us, rel=1e-9)
+    busy = grid_us(load.max_experts, EP8_SHAPE, "low_latency")
+    assert s.terms["imbalance"] == pytest.approx(60 * (busy - mean.time_us), rel=1e-9)
+    # lower bounds by hand: an expert is 3 x 7168 x 2048 x (0.5 + 2 / 32) = 24,772,608 B,
+    # streamed at best at the spec DRAM bandwidth (gpus.py: 1792 GB/s = 1792e3 B/µs)
+    assert s.terms["experts"] / 60 >= 24_772_608 / 1792e3
+    busiest = (s.terms["experts"] + s.terms["imbalance"]) / 60
+    assert busiest >= load.max_experts * 24_772_608 / 1792e3
+    kind, src = s.sources["experts"]
+    assert kind == "model" and src.startswith("INT4 grid model")
+    assert "48 local experts, low_latency layout" in src
+    ar = step(env, Config(8, ep=8, comm="allreduce"), 1)  # every GPU has every token
+    assert "normal layout" in ar.sources["experts"][1]
+
+
+def test_other_formats_and_gpus_keep_the_roofline_and_say_why():
+    # block FP8 Kimi K2: one expert of 3 H I (1 + 4 / 128^2) bytes per rank and layer at
+    # 1792 GB/s x 0.85, GEMM efficiency 1.0 at one row per expert
+    fp8 = env_for(model=load_model("kimi-k2"))
+    s = step(fp8, Config(8, ep=8, comm="allreduce"), 1)
+    assert s.terms["experts"] == pytest.approx(60 * 3 * H * I * (1 + 4 / 16384) / BW, rel=1e-9)
+    assert s.sources["experts"][1].startswith("roofline (fp8 weights")
+    assert "fp8 experts" in s.sources["experts"][1]
+    # a GPU the grid model has no occupancy table for: the roofline at its 768 GB/s
+    a6000 = env_for(gpu=GPUS["a6000"])
+    s = step(a6000, Config(8, ep=8, comm="allreduce"), 1)
+    assert s.terms["experts"] == pytest.approx(60 * 24_772_608 / (768e3 * 0.85), rel=1e-9)
+    assert "NVIDIA RTX A6000 is not in the INT4 grid model" in s.sources["experts"][1]
+    # a prefill chunk of 8192 tokens: 8192 x 8 / 8 rows over 48 experts = 171 per expert,
+    # where the kernel takes block_m 64, outside the grid model
+    pre = step(env_for(), Config(8, ep=8, comm="allreduce"), 8192, ctx=0, prefill=True)
+    assert "171 rows per expert" in pre.sources["experts"][1]
+    assert pre.sources["experts"][1].startswith("roofline (int4-g32 weights")
+
+
+# Kimi K2.6 rows on the wire (buffer_memory.row_bytes, worked by hand in WIRE_ROWS above):
+# dispatch fp8 = 16 B header + 8 int32 ids (-> 48) + 8 fp32 weights (-> 80) + 7168 B
+# payload (-> 7248) + 56 fp32 scales = 7472 B; combine = 2 x 7168 = 14,336 B, no header.
+# A token goes to a rank once if any of its 8 distinct experts (of 384, uniform) is there:
+# EP2 (192 a rank): 1 - C(192, 8) / C(384, 8) = 0.99637373; EP4 (96 a rank):
+# 1 - C(288, 8) / C(384, 8) = 1 - prod_{j<8} (288 - j) / (384 - j) = 0.90232775.
+def _all_to_all(n: int, b: float) -> tuple[tuple[float, ...], ...]:
+    return tuple(tuple(0.0 if s == d else b for d in range(n)) for s in range(n))
+
+
+# (fixture, GPU PCIe generation, EP, tokens, rows to each other rank)
+PLANNED_CASES = [
+    # GeForce pair, P2P "GNS" (host-staged); 4 tokens on DP2: 2 a rank, 2 x 0.99637 rows
+    ("2x-rtx5090-threadripper3975wx.topo-p2p.txt", 5, 2, 4, 2 * 0.9963737325144445),
+    # dual socket, two NODE pairs joined by SYS; 16 tokens on DP4: 4 a rank, 4 x 0.90233
+    ("4x-l40s-dual-socket.topo.txt", 4, 4, 16, 4 * 0.9023277510040769),
+]
+
+
+@pytest.mark.parametrize(("fixture", "gen", "ep", "tokens", "rows"), PLANNED_CASES)
+def test_pcie_a2a_cost_is_the_planners_total_on_a_real_box(fixture, gen, ep, tokens, rows):
+    """The pcie_a2a exchange the plan charges per MoE layer = the topology planner's
+    predicted dispatch + combine for the hand-written traffic + 2 x pcie_a2a_call_us."""
+    from pcie_a2a.topology import TransferOptions, load
+    from topology_fixtures import FIXTURES
+
+    topo = load(FIXTURES / fixture)
+    assert topo.num_gpus == ep
+    env = env_for()
+    got = Exchanges(topo, Measured(), gen).cost(Config(ep, 1, ep, ep, "pcie_a2a"), tokens, env)
+    disp = Traffic("dispatch", _all_to_all(ep, rows * 7472))
+    comb = Traffic("combine", _all_to_all(ep, rows * 14336))
+    reports = plan_transfers(topo, [disp, comb], TransferOptions(default_link_gen=gen)).reports
+    want = reports[0].predicted_us + reports[1].predicted_us + 2 * Tables().pcie_a2a_call_us
+    assert got.us == pytest.approx(want, rel=1e-12)
+    assert got.kind == "model" and got.source.startswith("topology planner")
+    assert Tables().pcie_a2a_call_us == 5.0  # the assumed per-call cost (tables.py)
+
+
+# ---- MTP ------------------------------------------------------------------------------------
+
+
+def test_mtp_step_reads_weights_and_cache_once_and_emits_accept_len(kimi):
+    """TP8, C = 1, context 4096, MTP with 3 drafts accepted to 2.278 tokens a step: the step
+    runs 1 + 3 = 4 rows; the weights other than the routed experts and the request's KV
+    cache are read as often as without MTP (by hand below); the routed experts are the ones
+    4 tokens touch; the step emits 2.278 tokens."""
+    plain = step(env_for(context=4096), Config(8), 1)
+    spec = step(env_for(context=4096, mtp=Mtp(3, 2.278, "test")), Config(8), 1)
+    split, repl = kimi.attention_params()
+    weights = (
+        L * 2 * (split / 8 + repl)  # attention, bf16, TP8 (q_a and kv_a replicated)
+        + 60 * 2 * E * H  # routers
+        + 3 * H * 18432 * 2 / 8  # dense layer 0
+        + 60 * 3 * H * I * 2 / 8  # shared experts
+        + V * H * 2 / 8  # LM head, vocab-parallel
+    )
+    assert plain.bytes_read["weights"] == pytest.approx(weights, rel=1e-12)
+    assert spec.bytes_read["weights"] == pytest.approx(weights, rel=1e-12)
+    kv = L * 4096 * 1152  # one request's cache: (512 + 64) x 2 B a token and layer
+    assert plain.bytes_read["kv"] == pytest.approx(kv) and spec.bytes_read["kv"] == pytest.approx(
+        kv
+    )
+    # a GPU streams its 1/8 slice of every expert the step's tokens touch: 8 for one token,
+    # 384 (1 - (1 - 8/384)^4) = 30.8 for four
+    slice_ = 24_772_608 / 8
+    assert plain.bytes_read["experts"] == pytest.approx(60 * 8 * slice_, rel=1e-9)
+    touched = 384 * (1 - (1 - 8 / 384) ** 4)
+    assert spec.bytes_read["experts"] == pytest.approx(60 * touched * slice_, rel=1e-9)
+    assert (plain.rows_per_request, spec.rows_per_request) == (1, 4)
+    assert (plain.tokens_per_step, spec.tokens_per_step) == (1.0, 2.278)
+    # tokens out of a step: C x accept_len in its time
+    assert spec.tok_s * spec.total_us / 1e6 == pytest.approx(2.278, rel=1e-12)
+    assert spec.tpot_us == pytest.approx(spec.total_us / 2.278, rel=1e-12)
+    # a prefill chunk drafts nothing
+    pre = step(env_for(mtp=Mtp(3, 2.278, "test")), Config(8), 256, ctx=128, prefill=True)
+    assert pre.rows_per_request == 1 and pre.tokens_per_step == 1.0
+
+
+def test_the_one_shipped_mtp_stack_cites_its_accepted_length():
+    """vllm-tuned-mtp: EAGLE3 with 3 drafts; kimi-k26-v4.md's 'Kimi Draft Acceptance Notes'
+    give per-position acceptance 0.645, 0.393, 0.240 (DCP1), so 1 + their sum = 2.278
+    tokens a step; its calibration numbers are the pages' MTP rows (field_2026.md s1:
+    v4 122.0 / 2245.8, v3 110.1 / 2406.5). No other shipped stack claims MTP."""
+    s = STACKS["vllm-tuned-mtp"]
+    assert (s.mtp.draft_tokens, s.mtp.accept_len) == (3, pytest.approx(1 + 0.645 + 0.393 + 0.240))
+    assert "kimi-k26-v4.md" in s.mtp.source and "0.645, 0.393, 0.240" in s.mtp.source
+    assert sorted(p.tok_s for p in s.points) == [110.1, 122.0, 2245.8, 2406.5]
+    assert [n for n, st in STACKS.items() if st.mtp is not None] == ["vllm-tuned-mtp"]
+    part = {p.name: p for p in s.parts()}["MTP"]
+    assert part.value.startswith("3 draft tokens, 2.278 tokens per step")
+    assert part.source == s.mtp.source
+    assert {p.name: p for p in STACKS["vllm-tuned"].parts()}["MTP"].value == "off"
+    with pytest.raises(ValueError, match=r"accept_len: got 4.5; allowed: a number from 1 to 1 \+"):
+        Mtp(3, 4.5, "x")
+    with pytest.raises(ValueError, match="draft_tokens: got 0; allowed: an int >= 1"):
+        Mtp(0, 1.0, "x")

@@ -39,8 +39,9 @@ CPU_ENGINE_ENV = {
 
 
 def path_dir(root: Path, baseline_wrap: bool) -> Path:
-    """PYTHONPATH entry with pcie_a2a and its ``sglang.srt.plugins`` entry point (and, for
-    the ``none`` baseline, the test-only CPU-EP wrap, ``sglang_cpu_ep_baseline``)."""
+    """PYTHONPATH entry with pcie_a2a and its ``sglang.srt.plugins`` entry point, the
+    test-only MLA attention choice for the CPU engine (``sglang_cpu_mla``), and, for the
+    ``none`` baseline, the test-only CPU-EP wrap (``sglang_cpu_ep_baseline``)."""
     import pcie_a2a
 
     root.mkdir(parents=True, exist_ok=True)
@@ -49,6 +50,7 @@ def path_dir(root: Path, baseline_wrap: bool) -> Path:
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: pcie_a2a_test\nVersion: 0.0.0\n")
     eps = "[sglang.srt.plugins]\npcie_a2a = pcie_a2a.integrations.sglang:register\n"
+    eps += "pcie_a2a_test_cpu_mla = sglang_cpu_mla:register\n"
     if baseline_wrap:
         eps += "pcie_a2a_test_cpu_ep = sglang_cpu_ep_baseline:register\n"
     (info / "entry_points.txt").write_text(eps)

@@ -40,7 +40,7 @@ def _lines(gen) -> list[str]:
         gen(c, "org/model", 4096, kv, 8192, stack)
         for c in CONFIGS
         for kv in (False, True)
-        for stack in (None, STACKS["vllm-tuned"], EAGER)
+        for stack in (None, STACKS["vllm-tuned"], EAGER, STACKS["vllm-tuned-mtp"])
     ]
 
 
@@ -97,5 +97,13 @@ def test_vllm_knows_every_flag(monkeypatch):
         for opt in _options(line):
             assert opt in known, (opt, line)
     assert "--enforce-eager" in " ".join(_lines(launch.vllm))
+    # the MTP stack's speculative config is JSON vLLM's parser reads (type json.loads)
+    line = launch.vllm(Config(8), "org/model", 4096, False, 8192, STACKS["vllm-tuned-mtp"])
+    words = shlex.split(line)
+    spec = parser.parse_known_args(
+        ["--speculative-config", words[words.index("--speculative-config") + 1]]
+    )[0]
+    assert spec.speculative_config["method"] == "eagle3"
+    assert spec.speculative_config["num_speculative_tokens"] == 3
     for opt in _asked("vllm"):
         assert opt in known, opt

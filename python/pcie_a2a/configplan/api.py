@@ -139,6 +139,12 @@ def make_plan(inp: Inputs) -> PlanResult:
     else:
         routing = zipf(model.experts, inp.skew, inp.seed)
     stack = fit(load_stack(inp.stack_file) if inp.stack_file else get_stack(inp.stack), tables)
+    if stack.mtp is not None and stack.mtp.model and stack.mtp.model != model.name:
+        assumed.append(
+            f"MTP: stack {stack.name}'s draft and accepted length ({stack.mtp.label}) were "
+            f"measured on {stack.mtp.model}, not on {model.name} (your own: --stack-file "
+            "with 'mtp')"
+        )
     link_gen = gpu.pcie_gen
     exchanges = Exchanges(topo, measured, link_gen)
     env = Env(

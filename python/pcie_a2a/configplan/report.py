@@ -296,7 +296,8 @@ def provenance_lines(p: PlanResult) -> list[str]:
         more = f" (+{len(srcs) - 1} more)" if len(srcs) > 1 else ""
         out.append(f"  {kind:9s} {term}: {srcs[0]}{more}")
     out += [
-        f"  model     compute terms: roofline on the GPU table ({p.gpu.source})",
+        f"  model     compute terms (experts: as their line above says): roofline on the GPU "
+        f"table ({p.gpu.source})",
         f"            memory efficiency {t.memory_efficiency:g} ({t.memory_efficiency_source}); "
         f"tensor efficiency {t.tensor_efficiency:g} ({t.tensor_efficiency_source})",
         f"            expert GEMM efficiency by rows per expert: {t.gemm_efficiency.source}",
@@ -323,6 +324,9 @@ def _step_doc(s) -> dict[str, Any]:
         "terms_ms": {k: v / 1e3 for k, v in s.terms.items()},
         "bubble_ms": s.bubble_us / 1e3,
         "micro_batches": s.micro_batches,
+        "rows_per_request": s.rows_per_request,
+        "tokens_per_step": s.tokens_per_step,
+        "bytes_read": dict(s.bytes_read),
         "sources": {k: {"kind": kd, "source": src} for k, (kd, src) in s.sources.items()},
     }
 
@@ -418,6 +422,16 @@ def to_doc(p: PlanResult) -> dict[str, Any]:
             "description": s.description,
             "fitted": {"step_us": s.step_us, "request_us": s.request_us},
             "like": s.like or None,
+            "mtp": (
+                {
+                    "draft_tokens": s.mtp.draft_tokens,
+                    "accept_len": s.mtp.accept_len,
+                    "method": s.mtp.method,
+                    "source": s.mtp.source,
+                }
+                if s.mtp
+                else None
+            ),
             "parts": [
                 {"name": pt.name, "value": pt.value, "cost": pt.cost, "source": pt.source}
                 for pt in s.parts()

@@ -13,7 +13,14 @@ A part enters the step model where its cost occurs (:mod:`.predict`):
   GPUs), ``custom`` (a PCIe custom all-reduce up to ~56 KB, patched NCCL above) or
   ``pcie_a2a`` (``pcie_a2a.AllReduce`` with ``PCIE_A2A_ALLREDUCE=1``, costed as the measured
   PCIe one-shot all-reduce: it has never run on a GPU);
-* MoE communication is the configuration's (:mod:`.configs`), not the stack's.
+* MoE communication is the configuration's (:mod:`.configs`), not the stack's;
+* ``mtp``: speculative decoding (MTP / EAGLE) off, or ``draft_tokens`` drafts verified per
+  request and step and ``accept_len`` tokens emitted per request and step (:class:`Mtp`):
+  a decode step then runs ``C x (1 + draft_tokens)`` rows, the weights read once and each
+  request's KV cache once, and the time per output token is the step over ``accept_len``.
+  The draft model's own passes are not a term: on a stack fitted on MTP numbers they sit in
+  the fitted host costs. Only a stack whose accepted length has a cited source ships with
+  MTP (``vllm-tuned-mtp``); a user gives theirs in ``--stack-file`` (``"mtp"``).
 
 Only ``step_us`` and ``request_us`` are fitted, on the stack's calibration numbers
 (:mod:`.calibrate`), which also gives the leave-one-out residuals every predicted figure's
@@ -23,7 +30,9 @@ band comes from. A user states their own stack with ``--stack-file`` (:func:`loa
 from __future__ import annotations
 
 import json
+import math
 import re
+import shlex
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -62,8 +71,61 @@ _TUNED_V3 = (
     "(research/field_2026.md s1)"
 )
 
+_TUNED_V4_MTP = (
+    "local-inference-lab/rtx6kpro models/kimi-k26-v4.md (2026-05), Kimi K2.6 INT4, 8x RTX "
+    "PRO 6000, vLLM TP8 DCP1 as vllm-tuned, EAGLE3 MTP on (3 draft tokens), context 0 "
+    "(research/field_2026.md s1: 122.0 / 2245.8)"
+)
+_TUNED_V3_MTP = (
+    "local-inference-lab/rtx6kpro models/kimi-k26-v3.md, the same tuned vLLM stack, DCP=1 + "
+    "MTP=3 with the Kimi 2.6 draft lightseekorg/kimi-k2.6-eagle3-mla, context 0 "
+    "(research/field_2026.md s1: 110.1 / 2406.5)"
+)
+_KIMI_DRAFT = "lightseekorg/kimi-k2.6-eagle3-mla"
+_KIMI_ACCEPT_SRC = (
+    "local-inference-lab/rtx6kpro models/kimi-k26-v4.md, 'Kimi Draft Acceptance Notes', KIMI "
+    "DCP1 (vLLM SpecDecoding metrics over the decode matrix): per-position acceptance "
+    "0.645, 0.393, 0.240 of 3 draft tokens, so 1 + 0.645 + 0.393 + 0.240 = 2.278 tokens per "
+    "step (= 1 + 3 x the mean acceptance 0.426); draft lightseekorg/kimi-k2.6-eagle3-mla "
+    "(kimi-k26-v3.md)"
+)
+
 FRAMEWORKS = {"sglang": "SGLang 0.5.23", "vllm": "vLLM 0.33.0"}
 ALLREDUCES = ("nccl", "custom", "pcie_a2a")
+
+
+@dataclass(frozen=True)
+class Mtp:
+    """Speculative decoding: ``draft_tokens`` drafts verified per request and decode step,
+    ``accept_len`` tokens emitted per request and step on average (the verified token plus
+    the accepted drafts: 1 <= accept_len <= 1 + draft_tokens), measured on ``model``."""
+
+    draft_tokens: int
+    accept_len: float
+    source: str
+    method: str = ""  # what drafts (e.g. "EAGLE3 draft lightseekorg/kimi-k2.6-eagle3-mla")
+    model: str = ""  # the plan's built-in name of the checkpoint accept_len was measured on
+
+    def __post_init__(self) -> None:
+        check_mtp(self.draft_tokens, self.accept_len, "mtp")
+
+    @property
+    def label(self) -> str:
+        how = f" ({self.method})" if self.method else ""
+        return f"{self.draft_tokens} draft tokens, {self.accept_len:g} tokens per step{how}"
+
+
+def check_mtp(draft_tokens, accept_len, where: str) -> None:
+    k = draft_tokens
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"{where}.draft_tokens: got {k!r}; allowed: an int >= 1")
+    a = accept_len
+    ok = isinstance(a, (int, float)) and not isinstance(a, bool) and math.isfinite(a)
+    if not ok or not 1.0 <= a <= 1 + k:
+        raise ValueError(
+            f"{where}.accept_len: got {a!r}; allowed: a number from 1 to 1 + draft_tokens "
+            f"({1 + k}): the verified token plus the accepted drafts"
+        )
 
 
 @dataclass(frozen=True)
@@ -94,6 +156,7 @@ class Stack:
     residuals: tuple[tuple[str, float, float], ...] = ()  # (point, measured, fitted model)
     loo: tuple[tuple[str, float, float], ...] = ()  # (point, measured, fitted without it)
     like: str = ""  # a stack-file stack that reuses a shipped stack's fit and band
+    mtp: Mtp | None = None  # speculative decoding; None: off
 
     def with_fit(self, step_us: float, request_us: float, residuals, loo) -> Stack:
         return replace(
@@ -141,8 +204,21 @@ class Stack:
             ),
             Part("all-reduce", self.allreduce, ar_cost, "tables (custom_ar8, nccl8)"),
             Part("MoE communication", "per configuration", "the configuration's comm", "-"),
-            Part("MTP", "off", "not modelled: speculative decoding is not a candidate", "-"),
+            self._mtp_part(),
         ]
+
+    def _mtp_part(self) -> Part:
+        if self.mtp is None:
+            return Part("MTP", "off", "each decode step emits one token per request", "-")
+        return Part(
+            "MTP",
+            self.mtp.label,
+            f"a decode step runs C x {1 + self.mtp.draft_tokens} rows (weights read once, "
+            f"each request's KV cache once) and emits {self.mtp.accept_len:g} tokens per "
+            "request; the draft model's passes, weights and KV cache are not a term (on a "
+            "stack fitted on MTP numbers the passes sit in the fitted host costs)",
+            self.mtp.source,
+        )
 
     # ---- framework defaults -------------------------------------------------------------
     def max_batch(self, gpu: Gpu, cfg: Config) -> tuple[int, str]:
@@ -233,6 +309,43 @@ STACKS: dict[str, Stack] = {
             notes=(_TUNED_NOTE,),
         ),
         Stack(
+            "vllm-tuned-mtp",
+            "vllm",
+            "vLLM, community-tuned as vllm-tuned, with EAGLE3 speculative decoding (3 draft "
+            f"tokens, {_KIMI_DRAFT}); host costs fitted on the MTP numbers, so they hold the "
+            "draft model's passes",
+            "custom",
+            (
+                CalPoint(_k(8), 1, 122.0, _TUNED_V4_MTP),
+                CalPoint(_k(8), 128, 2245.8, _TUNED_V4_MTP),
+                CalPoint(_k(8), 1, 110.1, _TUNED_V3_MTP),
+                CalPoint(_k(8), 128, 2406.5, _TUNED_V3_MTP),
+            ),
+            env=_NCCL_TUNED_ENV,
+            flags={
+                "vllm": (
+                    "--speculative-config",
+                    shlex.quote(
+                        json.dumps(
+                            {"method": "eagle3", "model": _KIMI_DRAFT, "num_speculative_tokens": 3}
+                        )
+                    ),
+                ),
+                "sglang": (
+                    *("--speculative-algorithm", "EAGLE3"),
+                    *("--speculative-draft-model-path", _KIMI_DRAFT),
+                    *("--speculative-num-steps", "3", "--speculative-eagle-topk", "1"),
+                    *("--speculative-num-draft-tokens", "4"),
+                ),
+            },
+            notes=(
+                _TUNED_NOTE,
+                "the draft model and its accepted length are Kimi K2.6's; kimi-k26-v3.md "
+                "reports no acceptance, so its MTP numbers are taken at v4's 2.278",
+            ),
+            mtp=Mtp(3, 2.278, _KIMI_ACCEPT_SRC, f"EAGLE3 draft {_KIMI_DRAFT}", "kimi-k2.6"),
+        ),
+        Stack(
             "pcie-a2a-allreduce",
             "vllm",
             "vLLM with pcie_a2a.AllReduce as the TP all-reduce (PCIE_A2A_ALLREDUCE=1), tuned "
@@ -252,7 +365,16 @@ def get_stack(name: str) -> Stack:
     return STACKS[name]
 
 
-_FILE_KEYS = ("name", "framework", "description", "allreduce", "cuda_graphs", "env", "flags")
+_FILE_KEYS = (
+    "name",
+    "framework",
+    "description",
+    "allreduce",
+    "cuda_graphs",
+    "env",
+    "flags",
+    "mtp",
+)
 
 
 def load_stack(path: str) -> Stack:
@@ -260,7 +382,9 @@ def load_stack(path: str) -> Stack:
     ``env`` (list), ``flags`` ({framework: [flags]}), and either ``points`` (calibration
     numbers on Kimi K2.6 INT4 / 8x RTX PRO 6000: ``[{"tp": 8, "ep": 1, "comm": "tp",
     "concurrency": 1, "tok_s": 92.4, "source": "..."}]``, at least two) or ``like`` (a
-    shipped stack whose fitted framework costs and band it reuses)."""
+    shipped stack whose fitted framework costs and band it reuses, and its MTP part unless
+    the file says), and optional ``mtp``: ``{"draft_tokens": 3, "accept_len": 2.3,
+    "source": "..."}`` (speculative decoding on; ``null``: off)."""
     with open(path, encoding="utf-8") as f:
         try:
             doc = json.load(f)
@@ -299,6 +423,9 @@ def load_stack(path: str) -> Stack:
         raise ValueError(f"--stack-file {path}: give exactly one of 'points' and 'like'")
     if like is not None and like not in STACKS:
         raise ValueError(f"--stack-file {path}: like: got {like!r}; allowed: {', '.join(STACKS)}")
+    mtp = STACKS[like].mtp if like is not None else None
+    if "mtp" in doc:
+        mtp = _load_mtp(doc["mtp"], f"--stack-file {path}: mtp")
     cal: list[CalPoint] = []
     if points is not None:
         if not isinstance(points, list) or len(points) < 2:
@@ -325,4 +452,25 @@ def load_stack(path: str) -> Stack:
         env=tuple(env),
         flags={k: tuple(v) for k, v in flags.items()},
         like=like or "",
+        mtp=mtp,
+    )
+
+
+def _load_mtp(value, where: str) -> Mtp | None:
+    if value is None:
+        return None
+    keys = {"draft_tokens", "accept_len", "source", "method"}
+    if not isinstance(value, dict) or not {"draft_tokens", "accept_len"} <= set(value):
+        raise ValueError(
+            f"{where}: got {value!r}; allowed: null (off) or {{'draft_tokens': int >= 1, "
+            "'accept_len': number, 'source': '...', 'method': '...'}"
+        )
+    if set(value) - keys:
+        raise ValueError(
+            f"{where}: unknown keys {sorted(set(value) - keys)}; allowed: {', '.join(sorted(keys))}"
+        )
+    check_mtp(value["draft_tokens"], value["accept_len"], where)
+    src = value.get("source", "given in the stack file (no source stated)")
+    return Mtp(
+        value["draft_tokens"], float(value["accept_len"]), str(src), str(value.get("method", ""))
     )
