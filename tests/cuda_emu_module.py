@@ -24,12 +24,11 @@ import sysconfig
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from native_emulation import compiler
+from native_emulation import MODEL_FLAGS, TRANSPORT_PTX_HOOKS, compiler
 
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = ROOT / "csrc"
 EMU = ROOT / "tests" / "native" / "transport_emu"
-MODEL = ROOT / "tests" / "native" / "emu"
 KERNELS = ("kernels_send.cu", "kernels_recv.cu", "kernels_combine.cu", "kernels_control.cu")
 
 
@@ -55,7 +54,8 @@ def build(out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     flags = ["-std=c++17", "-fPIC", "-O1", "-fno-strict-aliasing", "-ffp-contract=off"]
     flags += ["-Wno-unknown-pragmas", "-iquote", str(EMU / "override"), "-I", str(EMU / "include")]
-    flags += ["-I", str(MODEL), "-I", str(CSRC), "-I", pybind11.get_include()]
+    flags += [*MODEL_FLAGS, TRANSPORT_PTX_HOOKS]
+    flags += ["-I", str(CSRC), "-I", pybind11.get_include()]
     flags += ["-I", sysconfig.get_paths()["include"], "-fvisibility=default"]
 
     def compile_one(unit):

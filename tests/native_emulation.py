@@ -1,6 +1,8 @@
-"""What the two CPU emulations of CUDA sources share (tests/native: the INT4 kernel and the
-transport): finding a host compiler, and the mutation check that proves an emulation can
-fail (seed one plausible slip per build; every mutant must be caught)."""
+"""What the CPU emulations of CUDA sources share (tests/native: the INT4 kernel, the
+transport, the all-reduce, the probe): finding a host compiler, the execution model's include
+paths (with its one stand-in for csrc/cuda/common/ptx.cuh), and the mutation check that
+proves an emulation can fail (seed one plausible slip per build; every mutant must be
+caught)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,14 @@ import shutil
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+MODEL = Path(__file__).resolve().parent / "native" / "emu"  # the CUDA execution model
+# The model of csrc/cuda/common/ptx.cuh: found before csrc's through MODEL_FLAGS' -iquote.
+PTX_MODEL = MODEL / "override" / "cuda" / "common" / "ptx.cuh"
+MODEL_FLAGS = ["-iquote", str(MODEL / "override"), "-I", str(MODEL)]
+# The transport builds' hooks into the model's loads and stores: the staged gate
+# (transport_emu/include, on their -I).
+TRANSPORT_PTX_HOOKS = '-DEMU_PTX_HOOKS="emu_staged_gate.h"'
 
 
 def skip_or_fail(reason: str) -> None:

@@ -30,7 +30,7 @@ import numpy as np
 
 from pcie_a2a.topology import roots
 from pcie_a2a.topology.model import Topology
-from pcie_a2a.topology.planner import PlanOptions, plan
+from pcie_a2a.topology.planner import TransferOptions, plan_transfers
 from pcie_a2a.topology.probe import GpuIdentity
 
 M32 = 0xFFFFFFFF
@@ -70,7 +70,7 @@ class SyntheticBackend:
         self.faults = faults or {}  # (src, dst, mode) -> byte offset to corrupt
         self.now = 0.0
         self.calls: list[str] = []
-        forced = plan(box.topo, options=PlanOptions(p2p=True, default_link_gen=5))
+        forced = plan_transfers(box.topo, options=TransferOptions(p2p=True, default_link_gen=5))
         self.links = {(q.src, q.dst): q.links for q in forced.pairs}
 
     # ---- the ProbeBackend protocol ---------------------------------------------------
@@ -334,7 +334,9 @@ def synthetic_record(name: str, fixtures) -> str:
     probe = run_probe(SyntheticBackend(box, seed=0), box.topo, ProbeSettings(gate_bytes=4133))
     probe = dataclasses.replace(probe, source=f"synthetic: {name} (tests/probe_synthetic.py)")
     aligned = probe.aligned_to([g.bus_id for g in box.topo.gpus])
-    probe = finish(probe, box.topo, diagnose(box.topo, aligned), PlanOptions(default_link_gen=5))
+    probe = finish(
+        probe, box.topo, diagnose(box.topo, aligned), TransferOptions(default_link_gen=5)
+    )
     return probe.to_json()
 
 

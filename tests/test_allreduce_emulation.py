@@ -4,8 +4,9 @@
 against the CUDA execution model of ``tests/native/emu`` (a fiber per CUDA thread, real
 block barriers and warp shuffles, shared memory that starts as garbage, a device arena
 shared by forked rank processes the way CUDA IPC shares device memory, ASan poisoning
-outside what a process may touch). Only the inline PTX (``ptx.cuh``) and the launch
-(``launch.cuh``) are replaced, by ``tests/native/allreduce_emu/override``. The driver
+outside what a process may touch). Only the inline PTX (``cuda/common/ptx.cuh``, by the
+model's one stand-in in ``tests/native/emu/override``) and the launch (``launch.cuh``, by
+``tests/native/allreduce_emu/override``) are replaced. The driver
 (``tests/native/allreduce_emu/main.cpp``) forks one process per rank; each makes the real
 ``CudaAllReduce``, exchanges IPC handles, opens its peers with a push/pull plan and makes
 the calls ``pcie_a2a.allreduce.cuda`` makes, with no barrier between calls. Results are
@@ -37,13 +38,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from native_emulation import compiler, missed_mutations, mutate, skip_or_fail
+from native_emulation import (
+    MODEL_FLAGS,
+    PTX_MODEL,
+    compiler,
+    missed_mutations,
+    mutate,
+    skip_or_fail,
+)
 from pcie_a2a.allreduce import reference as R
 
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = ROOT / "csrc"
 EMU = Path(__file__).resolve().parent / "native" / "allreduce_emu"
-MODEL = Path(__file__).resolve().parent / "native" / "emu"
 SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined"]
 ERR_TIMEOUT, ERR_PEER, ERR_ABORTED = 1, 2, 3  # pa2a::Error::Kind
 DTYPES = {"bf16": (torch.bfloat16, 0), "fp16": (torch.float16, 1)}
@@ -63,7 +70,7 @@ def _units(csrc: Path) -> list[tuple[Path, str, list[str]]]:
 def _flags(csrc: Path, sanitize: bool) -> list[str]:
     f = ["-std=c++17", "-fno-strict-aliasing", "-ffp-contract=off", "-Wno-unknown-pragmas"]
     f += ["-fno-omit-frame-pointer", "-iquote", str(EMU / "override"), "-I", str(EMU / "include")]
-    return f + ["-I", str(MODEL), "-I", str(csrc)] + (SANITIZE if sanitize else [])
+    return f + [*MODEL_FLAGS, "-I", str(csrc)] + (SANITIZE if sanitize else [])
 
 
 def _sanitizer_works(cxx: str, tmp: Path) -> bool:
@@ -498,7 +505,7 @@ def test_emulation_catches_mutations(emulator, tmp_path):
 
 
 def test_emulated_sources_are_the_kernels():
-    """Only ptx.cuh and launch.cuh are replaced: no inline PTX and no chevron launch in
+    """Only common/ptx.cuh and launch.cuh are replaced: no inline PTX and no chevron launch in
     csrc/cuda/allreduce, and the stand-ins define the functions the kernels use."""
     used = set()
     for path in (CSRC / "cuda" / "allreduce").iterdir():
@@ -509,11 +516,12 @@ def test_emulated_sources_are_the_kernels():
                                "fence_acq_rel_sys", "globaltimer_ns", "launch_kernel")
                  if f"pa2a::cuda::{fn}(" in text}  # fmt: skip
     assert used, "the kernels use none of the primitives?"
-    for name in ("ptx.cuh", "launch.cuh"):
-        real = (CSRC / "cuda" / "transport" / name).read_text()
-        emu = (EMU / "override" / "cuda" / "transport" / name).read_text()
-        if '#include "emu_ptx.h"' in emu:  # the shared model of the primitives
-            emu += (MODEL / "emu_ptx.h").read_text()
+    launch = ("cuda", "transport", "launch.cuh")
+    for real_path, emu_path in (
+        (CSRC / "cuda" / "common" / "ptx.cuh", PTX_MODEL),
+        (CSRC.joinpath(*launch), EMU.joinpath("override", *launch)),
+    ):
+        real, emu, name = real_path.read_text(), emu_path.read_text(), real_path.name
         for fn in used:
             if f" {fn}(" in real:
                 assert f" {fn}(" in emu, (name, fn)

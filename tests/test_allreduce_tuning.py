@@ -11,8 +11,8 @@ import pytest
 
 from pcie_a2a.allreduce import decisions as dec
 from pcie_a2a.allreduce import tuning
-from pcie_a2a.topology import PlanOptions, load, plan
-from pcie_a2a.topology.ranks import plan_ranks
+from pcie_a2a.topology import TransferOptions, load, plan_transfers
+from pcie_a2a.topology.ranks import rank_transfers
 from pcie_a2a.topology.sources import load_with_probe
 from topology_fixtures import FIXTURES
 
@@ -22,9 +22,9 @@ BUS = [f"0000:{0x01 + 0x20 * i:02x}:00.0" for i in range(8)]
 
 def _decisions(name: str, ranks: int = 8, **opts) -> dec.PairDecisions:
     topo, probe = load_with_probe(FIXTURES / name)
-    p = plan(topo, options=PlanOptions(probe=probe, **opts))
-    rp = plan_ranks(topo, p, BUS[:ranks] if topo.num_gpus == ranks else BUS[: topo.num_gpus])
-    return dec.from_rank_plan(rp, p, name)
+    p = plan_transfers(topo, options=TransferOptions(probe=probe, **opts))
+    rp = rank_transfers(topo, p, BUS[:ranks] if topo.num_gpus == ranks else BUS[: topo.num_gpus])
+    return dec.from_rank_transfers(rp, p, name)
 
 
 @pytest.mark.parametrize(
@@ -49,8 +49,8 @@ def test_sys_pairs_become_p2p_when_the_operator_allows_it():
     assert not d.staged_pairs()
 
 
-def test_directions_are_read_from_the_rank_plan_when_it_has_them():
-    """The planner's per-pair push/pull (RankPlan.pair_direction, from the probe or
+def test_directions_are_read_from_the_rank_transfers_when_it_has_them():
+    """The planner's per-pair push/pull (RankTransfers.pair_direction, from the probe or
     PCIE_A2A_DIRECTION / PCIE_A2A_PAIRS) is taken as is."""
     d = _decisions("8x-rtxpro6000-threadripper-3switch-pxb.topo.txt", direction="pull")
     w = d.world
@@ -60,11 +60,11 @@ def test_directions_are_read_from_the_rank_plan_when_it_has_them():
     pull = d.pull_matrix()
     assert pull[0 * w + 3] == 1 and pull[5 * w + 5] == 0
     topo = load(FIXTURES / "8x-rtxpro6000-threadripper-3switch-pxb.topo.txt")
-    p = plan(topo)
-    rp = replace(plan_ranks(topo, p, BUS), pair_direction=tuple(
+    p = plan_transfers(topo)
+    rp = replace(rank_transfers(topo, p, BUS), pair_direction=tuple(
         tuple("pull" if (s + t) % 3 == 0 and s != t else "push" for t in range(w)) for s in range(w)
     ))  # fmt: skip
-    mixed = dec.from_rank_plan(rp, p, "mixed")
+    mixed = dec.from_rank_transfers(rp, p, "mixed")
     assert mixed.direction == rp.pair_direction
     assert mixed.pull_matrix()[0 * w + 1] == 0 and mixed.pull_matrix()[1 * w + 2] == 1
 

@@ -112,13 +112,13 @@ def test_bench_cli_direction_and_allreduce_arms(tmp_path):
 def test_cuda_transport_records_the_plan_per_pair(monkeypatch):
     """CudaTransport.decisions() (host only, no bootstrap): the path it uses (a pair CUDA
     peer access forced to staged says staged), its send-order phase, the plan's entry."""
-    from pcie_a2a.transport.cuda import P2P, STAGED, CudaTransport, topology_rank_plan
+    from pcie_a2a.transport.cuda import P2P, STAGED, CudaTransport, topology_rank_transfers
     from topology_fixtures import FIXTURES
 
     box = FIXTURES / "8x-rtxpro6000-dual-epyc9575f-broadcom-pex890xx.topo.txt"
     monkeypatch.setenv("PCIE_A2A_TOPO_FILE", str(box))
     bus = [f"0000:{b:02x}:00.0" for b in (0x01, 0x21, 0x41, 0x61, 0x81, 0xA1, 0xC1, 0xE1)]
-    rp, note = topology_rank_plan(bus)
+    rp, note = topology_rank_transfers(bus)
     assert rp is not None
     t = CudaTransport.__new__(CudaTransport)
     t.rank, t.world, t.topology_plan, t.topology_note = 2, 8, rp, note
@@ -139,7 +139,7 @@ def test_cuda_transport_records_the_plan_per_pair(monkeypatch):
             assert p["direction"] == "push" and "host-staged" in p["reason"], p
         else:
             assert p["direction"] == rp.pair_direction[2][d], p
-            assert p["reason"] == "topology plan (RankPlan.pair_direction)", p
+            assert p["reason"] == "topology plan (RankTransfers.pair_direction)", p
     assert t._pair_codes()[2] == t.pair_transport[2]  # this fixture's plan pushes (no vendor)
     # an explicit list still wins (and a staged pair still pushes)
     t._resolve_directions([["pull" if s != d else "push" for d in range(8)] for s in range(8)], rp)
@@ -154,15 +154,17 @@ def test_cuda_auto_direction_pulls_the_pairs_the_plan_pulls():
     plan (rank 0's, gathered). On the Broadcom box with AMD hosts the plan pulls the
     cross-root pairs; the transport pulls exactly those, pushes PIX and host-staged pairs,
     and hands the kernels PULL for them."""
-    from pcie_a2a.topology import PlanOptions, load, plan, roots
-    from pcie_a2a.topology.ranks import plan_ranks
+    from pcie_a2a.topology import TransferOptions, load, plan_transfers, roots
+    from pcie_a2a.topology.ranks import rank_transfers
     from pcie_a2a.transport.cuda import P2P, PULL, STAGED, CudaTransport
     from topology_fixtures import FIXTURES
 
     box = FIXTURES / "8x-rtxpro6000-dual-epyc9575f-broadcom-pex890xx.topo.txt"
     topo = roots.with_vendor_hints(load(box), cpu="amd", switch="broadcom")
     bus = [f"0000:{b:02x}:00.0" for b in (0x01, 0x21, 0x41, 0x61, 0x81, 0xA1, 0xC1, 0xE1)]
-    rp = plan_ranks(topo, plan(topo, options=PlanOptions(default_link_gen=5)), bus)
+    rp = rank_transfers(
+        topo, plan_transfers(topo, options=TransferOptions(default_link_gen=5)), bus
+    )
     t = CudaTransport.__new__(CudaTransport)
     t.rank, t.world = 0, 8
     t.pair_transport = [[P2P if v == "p2p" else STAGED for v in row] for row in rp.pair_transport]
@@ -177,7 +179,7 @@ def test_cuda_auto_direction_pulls_the_pairs_the_plan_pulls():
             code = t._pair_codes()[s][d]
             assert code == (PULL if (s, d) in pulled else t.pair_transport[s][d])
     assert t._with_pull()
-    assert t.direction_reasons[0][2] == "topology plan (RankPlan.pair_direction)"
+    assert t.direction_reasons[0][2] == "topology plan (RankTransfers.pair_direction)"
 
 
 def test_nccl_ep_arm_says_not_installed(monkeypatch):

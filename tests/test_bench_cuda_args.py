@@ -84,19 +84,19 @@ PLANS = [
 
 
 @pytest.mark.parametrize(("backend", "gpus", "world", "pg", "na"), PLANS)
-def test_plan_table(backend, gpus, world, pg, na):
-    p = device.plan(backend, gpus, world)
+def test_run_spec_table(backend, gpus, world, pg, na):
+    p = device.run_spec(backend, gpus, world)
     assert (p.backend, p.pg_backend, p.baselines_na) == (backend, pg, na)
     assert (p.device_count, p.local_world) == (gpus, world)
 
 
-def test_plan_rejects_what_cannot_run():
+def test_run_spec_rejects_what_cannot_run():
     with pytest.raises(ValueError, match="device_count: got 0"):
-        device.plan("cuda", 0, 2)
+        device.run_spec("cuda", 0, 2)
     with pytest.raises(ValueError, match="backend: got 'rocm'; allowed: cpu, cuda"):
-        device.plan("rocm", 1, 2)
+        device.run_spec("rocm", 1, 2)
     with pytest.raises(ValueError, match="local_world: got 0"):
-        device.plan("cpu", 0, 0)
+        device.run_spec("cpu", 0, 0)
 
 
 @pytest.mark.parametrize(

@@ -84,16 +84,16 @@ def test_aligned_copies_only_misaligned_views():
 BUS8 = [f"0000:{b:02x}:00.0" for b in (0x01, 0x21, 0x41, 0x61, 0x81, 0xA1, 0xC1, 0xE1)]
 
 
-def test_topology_rank_plan_from_the_topology_file(monkeypatch):
-    from pcie_a2a.transport.cuda import topology_rank_plan
+def test_topology_rank_transfers_from_the_topology_file(monkeypatch):
+    from pcie_a2a.transport.cuda import topology_rank_transfers
 
     box = FIXTURES / "8x-rtx4090-dual-xeon-broadcom-pix.topo.txt"
     monkeypatch.setenv("PCIE_A2A_TOPO_FILE", str(box))
-    rp, note = topology_rank_plan(BUS8)
+    rp, note = topology_rank_transfers(BUS8)
     assert rp is not None and note.startswith(f"topology plan from {box}")
     assert rp.gpus == tuple(range(8)) and rp.staging_numa == (0, 0, 0, 0, 1, 1, 1, 1)
     monkeypatch.setenv("PCIE_A2A_P2P", "0")  # the planner's options come from the env
-    rp, _ = topology_rank_plan(BUS8)
+    rp, _ = topology_rank_transfers(BUS8)
     assert {rp.pair_transport[s][d] for s in range(8) for d in range(8) if s != d} == {"staged"}
 
 
@@ -106,12 +106,12 @@ def test_topology_rank_plan_from_the_topology_file(monkeypatch):
         (BUS8, "no-such-file.txt", "No such file"),
     ],
 )
-def test_topology_rank_plan_falls_back_saying_why(monkeypatch, bus_ids, topo_file, why):
-    from pcie_a2a.transport.cuda import topology_rank_plan
+def test_topology_rank_transfers_falls_back_saying_why(monkeypatch, bus_ids, topo_file, why):
+    from pcie_a2a.transport.cuda import topology_rank_transfers
 
     if topo_file:
         monkeypatch.setenv("PCIE_A2A_TOPO_FILE", str(FIXTURES / topo_file))
-    rp, note = topology_rank_plan(bus_ids)
+    rp, note = topology_rank_transfers(bus_ids)
     assert rp is None and why in note, note
 
 
@@ -192,7 +192,7 @@ def test_plan_on_rank0_turns_any_exception_into_the_gathered_error(monkeypatch):
     def boom(bus_ids):
         raise KeyError("GPU 0000:99:00.0")
 
-    monkeypatch.setattr(cuda_backend, "topology_rank_plan", boom)
+    monkeypatch.setattr(cuda_backend, "topology_rank_transfers", boom)
     assert cuda_backend.plan_on_rank0(False, BUS8) == (None, "", "KeyError: 'GPU 0000:99:00.0'")
     assert cuda_backend.plan_on_rank0(True, BUS8) == (None, "explicit plan", None)
 
@@ -264,7 +264,7 @@ def _rank_bootstrap_fails(rank: int, world: int, where: str) -> str:
     def planner_bug(bus_ids):
         raise KeyError("rank plan lookup")
 
-    cuda_backend.topology_rank_plan = planner_bug
+    cuda_backend.topology_rank_transfers = planner_bug
     t0 = time.monotonic()
     try:
         cuda_backend.CudaTransport(
@@ -360,11 +360,11 @@ def test_topology_plan_is_discovered_once_per_process(monkeypatch):
     monkeypatch.setattr(sources, "current_with_probe", discover)
     cuda_backend.clear_plan_cache()
     try:
-        first = cuda_backend.topology_rank_plan(BUS8)
+        first = cuda_backend.topology_rank_transfers(BUS8)
         assert first[0] is None and "no sysfs here" in first[1]
-        assert cuda_backend.topology_rank_plan(BUS8) == first and len(calls) == 1
+        assert cuda_backend.topology_rank_transfers(BUS8) == first and len(calls) == 1
         monkeypatch.setenv("PCIE_A2A_P2P", "0")  # a knob of the plan: planned again
-        cuda_backend.topology_rank_plan(BUS8)
+        cuda_backend.topology_rank_transfers(BUS8)
         assert len(calls) == 2
     finally:
         cuda_backend.clear_plan_cache()

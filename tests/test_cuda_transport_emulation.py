@@ -5,7 +5,7 @@ the host C++ compiler against a CUDA execution model (``tests/native/emu``: one 
 CUDA thread, real block barriers and warp collectives, shared memory that starts as
 garbage; a fake runtime whose device memory is an arena shared by forked rank processes
 the way CUDA IPC shares it, poisoned for AddressSanitizer outside what a process may
-touch). Only ``ptx.cuh`` (the inline PTX: acquire/release loads and stores, fences,
+touch). Only ``cuda/common/ptx.cuh`` (the inline PTX: acquire/release loads and stores, fences,
 %globaltimer) and ``launch.cuh`` (the chevrons) are replaced. The driver
 (``tests/native/transport_emu/main.cpp``) forks one process per rank; each builds the real
 ``CudaTransport``, exchanges IPC handles, opens its peers with a pair plan (P2P pairs
@@ -24,7 +24,7 @@ replayed from a capture. ``inprocess`` scenarios put the W transports in one pro
 (open_local, phase by phase).
 
 ``w2_staged_drain_gate`` makes a staged sender slow and partial on purpose
-(EMU_STAGED_GATE, the emulation's ptx.cuh): its low-latency flags are held until the
+(EMU_STAGED_GATE, hooked into the emulation's PTX model): its low-latency flags are held until the
 receiver has consumed a row or combine chunk of the call, so the expert-major and combine
 receives must drain staged rows before the flag (the earlier "wait for the flag" code fails
 it), and it waits before each early line and after each mark until the receiver read it,
@@ -66,7 +66,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from native_emulation import compiler, missed_mutations, mutate, skip_or_fail
+from native_emulation import (
+    MODEL_FLAGS,
+    PTX_MODEL,
+    TRANSPORT_PTX_HOOKS,
+    compiler,
+    missed_mutations,
+    mutate,
+    skip_or_fail,
+)
 
 try:
     import cuda_transport_cases as C
@@ -76,9 +84,8 @@ except ImportError:  # pragma: no cover - run from another directory
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = ROOT / "csrc"
 EMU = Path(__file__).resolve().parent / "native" / "transport_emu"
-MODEL = Path(__file__).resolve().parent / "native" / "emu"
 KERNEL_FILES = ("kernels_send.cu", "kernels_recv.cu", "kernels_combine.cu", "kernels_control.cu")
-SOURCES = (*KERNEL_FILES, "cuda_transport.cu", "ptx.cuh", "launch.cuh", "device_protocol.cuh",
+SOURCES = (*KERNEL_FILES, "cuda_transport.cu", "launch.cuh", "device_protocol.cuh",
            "kernel_common.cuh", "staged_progress.cuh", "pull.cuh")  # fmt: skip
 SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined"]
 ERR_VALUE, ERR_TIMEOUT, ERR_PEER, ERR_ABORTED = 0, 1, 2, 3  # pa2a::Error::Kind
@@ -104,7 +111,14 @@ def _units(csrc: Path) -> list[tuple[Path, list[str]]]:
 def _flags(csrc: Path, sanitize: bool) -> list[str]:
     f = ["-std=c++17", "-fno-strict-aliasing", "-ffp-contract=off"]
     f += ["-Wno-unknown-pragmas", "-fno-omit-frame-pointer"]
-    f += ["-iquote", str(EMU / "override"), "-I", str(EMU / "include"), "-I", str(MODEL)]
+    f += [
+        "-iquote",
+        str(EMU / "override"),
+        "-I",
+        str(EMU / "include"),
+        *MODEL_FLAGS,
+        TRANSPORT_PTX_HOOKS,
+    ]
     return f + ["-I", str(csrc)] + (SANITIZE if sanitize else [])
 
 
@@ -174,7 +188,10 @@ def emulator(tmp_path_factory) -> Path:
         skip_or_fail("no host C++ compiler (c++/g++) to build the transport emulation")
     if sys.platform != "linux":
         pytest.skip("the emulation's rank processes share memory the Linux way (prctl, shm)")
-    if not all((CSRC / "cuda" / "transport" / s).is_file() for s in SOURCES):
+    if (
+        not all((CSRC / "cuda" / "transport" / s).is_file() for s in SOURCES)
+        or not (CSRC / "cuda" / "common" / "ptx.cuh").is_file()
+    ):
         pytest.skip("the CUDA transport sources are not in this checkout")
     return build_emulator(tmp_path_factory.mktemp("transport_emu"))
 
@@ -713,7 +730,7 @@ SCENARIOS = [
     S("w2_p2p_blackhole", 2, "", env=(("EMU_IPC_BLACKHOLE", "1"),), probe=((1, (1, 0)),),
       leaked=(1,), close_ms=300),
     # a slow, partial staged sender: rank 0 holds each low-latency flag until rank 1 has
-    # consumed a row or chunk of the call (EMU_STAGED_GATE, the emulation's ptx.cuh), so a
+    # consumed a row or chunk of the call (EMU_STAGED_GATE, in the emulation's PTX model), so a
     # receive that waits for the flag instead of draining fails; rank 0 also stores each
     # early line only once rank 1 polls it and waits after each mark until rank 1 read it
     # (a line, row or chunk taken before it is complete reads stale bytes). The expert-major receive and the combine, both parities and their reuse. (Not
@@ -1133,27 +1150,28 @@ def test_sanitizers_report_faults(emulator, tmp_path):
 
 
 def test_emulated_sources_are_the_transport():
-    """The emulation replaces ptx.cuh and launch.cuh only: no inline PTX and no chevron
-    launch elsewhere in csrc/cuda/transport, and the stand-ins define the same functions."""
+    """The emulation replaces common/ptx.cuh and launch.cuh only: no inline PTX in
+    csrc/cuda/transport, no chevron launch outside launch.cuh, and the stand-ins define the
+    functions the real headers do."""
     for path in (CSRC / "cuda" / "transport").iterdir():
-        if path.name in ("ptx.cuh", "launch.cuh"):
-            continue
         text = path.read_text()
-        assert not re.search(r"\basm\b", text), f"{path.name} has inline PTX outside ptx.cuh"
-        assert "<<<" not in text, f"{path.name} launches a kernel outside launch.cuh"
-    for name, fns in (
-        ("ptx.cuh", ("ld_acquire_sys", "ld_relaxed_sys", "st_release_sys", "st_relaxed_sys",
-                     "ld_acquire_gpu", "st_release_gpu", "griddep_wait",
-                     "griddep_launch_dependents", "fence_acq_rel_sys", "globaltimer_ns",
-                     "lanemask_lt", "dynamic_smem")),
-        ("launch.cuh", ("launch_kernel",)),
+        assert not re.search(r"\basm\b", text), f"{path.name} has inline PTX outside common/ptx.cuh"
+        if path.name != "launch.cuh":
+            assert "<<<" not in text, f"{path.name} launches a kernel outside launch.cuh"
+    launch = ("cuda", "transport", "launch.cuh")
+    for real, emu, fns in (
+        (CSRC / "cuda" / "common" / "ptx.cuh", PTX_MODEL,
+         ("ld_acquire_sys", "ld_relaxed_sys", "st_release_sys", "st_relaxed_sys",
+          "ld_acquire_gpu", "st_release_gpu", "griddep_wait", "griddep_launch_dependents",
+          "fence_acq_rel_sys", "globaltimer_ns", "lanemask_lt", "dynamic_smem")),
+        (CSRC.joinpath(*launch), EMU.joinpath("override", *launch), ("launch_kernel",)),
     ):  # fmt: skip
-        real = (CSRC / "cuda" / "transport" / name).read_text()
-        emu = (EMU / "override" / "cuda" / "transport" / name).read_text()
-        if '#include "emu_ptx.h"' in emu:  # the shared model of the primitives
-            emu += (MODEL / "emu_ptx.h").read_text()
+        real_text, emu_text = real.read_text(), emu.read_text()
         for fn in fns:
-            assert re.search(rf"\b{fn}\(", real) and re.search(rf"\b{fn}\(", emu), (name, fn)
+            assert re.search(rf"\b{fn}\(", real_text) and re.search(rf"\b{fn}\(", emu_text), (
+                real.name,
+                fn,
+            )
 
 
 def test_every_kernel_is_loaded_at_construction():

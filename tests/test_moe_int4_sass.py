@@ -158,15 +158,15 @@ def test_compiled_gemm_meets_the_budget(compiled_rows):
 def test_grid_model_costs_are_not_below_the_sass(compiled_rows):
     for r in compiled_rows:
         where = (r.arch, r.variant)
-        assert r.loop.per_k_tile <= GM.NEW_INSTR_PER_K_TILE[r.block_m], where
-        assert r.regs <= GM.NEW_REGS[r.block_m], where
+        assert r.loop.per_k_tile <= GM.INSTR_PER_K_TILE[r.block_m], where
+        assert r.regs <= GM.REGS[r.block_m], where
         assert r.prologue.instructions <= GM.PROLOGUE_INSTR, where
         assert r.prologue.dependent_loads <= GM.PROLOGUE_DEPENDENT_LOADS, where
         arch = GM.ARCHS.get(r.arch)
         if r.block_m == 16 and arch is not None:
             # decode: the compiled registers cost no CTA against the model's (two per
             # sm_89/120 SM, four per sm_90 SM)
-            assert r.ctas_per_sm == GM.ctas_per_sm(arch, 16, GM.NEW_REGS[16]), where
+            assert r.ctas_per_sm == GM.ctas_per_sm(arch, 16, GM.REGS[16]), where
             documented = {"sm_90": 4, "sm_89": 2, "sm_120": 2}
             assert r.ctas_per_sm == documented.get(r.arch, r.ctas_per_sm), where
 

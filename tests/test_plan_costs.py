@@ -32,7 +32,7 @@ from pcie_a2a.configplan.tables import KB, MB, Curve, Tables
 from pcie_a2a.configplan.topo import synthetic_topology
 from pcie_a2a.gpus import GPUS
 from pcie_a2a.quant import grid_model
-from pcie_a2a.topology import Traffic, expected_distinct_ranks, plan
+from pcie_a2a.topology import Traffic, expected_distinct_ranks, plan_transfers
 
 H, I, L, E, K, V = 7168, 2048, 61, 384, 8, 163840
 BW = 1792e3 * 0.85  # bytes per µs at the assumed memory efficiency
@@ -263,7 +263,7 @@ def test_pcie_a2a_exchange_is_the_topology_planners_prediction(kimi):
 
     disp = Traffic("d", matrix(16 + 8 * K + H + 4 * (H // 128)))
     comb = Traffic("c", matrix(2 * H))
-    want = sum(r.predicted_us for r in plan(topo, [disp, comb]).reports) + 2 * 5.0
+    want = sum(r.predicted_us for r in plan_transfers(topo, [disp, comb]).reports) + 2 * 5.0
     assert got.us == pytest.approx(want, rel=1e-9)
     assert got.kind == "model"
     assert dispatch_row_bytes(H, K, "bf16") == 16 + 64 + 2 * H
@@ -680,7 +680,7 @@ PLANNED_CASES = [
 def test_pcie_a2a_cost_is_the_planners_total_on_a_real_box(fixture, gen, ep, tokens, rows):
     """The pcie_a2a exchange the plan charges per MoE layer = the topology planner's
     predicted dispatch + combine for the hand-written traffic + 2 x pcie_a2a_call_us."""
-    from pcie_a2a.topology import PlanOptions, load
+    from pcie_a2a.topology import TransferOptions, load
     from topology_fixtures import FIXTURES
 
     topo = load(FIXTURES / fixture)
@@ -689,7 +689,7 @@ def test_pcie_a2a_cost_is_the_planners_total_on_a_real_box(fixture, gen, ep, tok
     got = Exchanges(topo, Measured(), gen).cost(Config(ep, 1, ep, ep, "pcie_a2a"), tokens, env)
     disp = Traffic("dispatch", _all_to_all(ep, rows * 7472))
     comb = Traffic("combine", _all_to_all(ep, rows * 14336))
-    reports = plan(topo, [disp, comb], PlanOptions(default_link_gen=gen)).reports
+    reports = plan_transfers(topo, [disp, comb], TransferOptions(default_link_gen=gen)).reports
     want = reports[0].predicted_us + reports[1].predicted_us + 2 * Tables().pcie_a2a_call_us
     assert got.us == pytest.approx(want, rel=1e-12)
     assert got.kind == "model" and got.source.startswith("topology planner")

@@ -15,7 +15,7 @@ import pytest
 from pcie_a2a.topology import probe_cache, sources
 from pcie_a2a.topology.calibration import concurrent_patterns, derive
 from pcie_a2a.topology.errors import TopologyError
-from pcie_a2a.topology.planner import PlanOptions, plan
+from pcie_a2a.topology.planner import TransferOptions, plan_transfers
 from pcie_a2a.topology.probe import GpuIdentity, PairMeasurement, Probe, ProbeGateError
 from pcie_a2a.topology.probe_run import ProbeSettings, gate_seed, run_probe
 from probe_synthetic import (
@@ -123,7 +123,7 @@ def test_gate_covers_staged_only_pairs_when_cuda_refuses_p2p():
     probe = run_probe(backend, box.topo, ProbeSettings(reps=1, gate_bytes=64))
     assert {c.split()[-1] for c in backend.calls if c.startswith("gate")} == {"staged"}
     assert all(m.p2p_possible is False and m.store_gbps is None for m in probe.pairs.values())
-    p = plan(box.topo, options=PlanOptions(probe=probe))
+    p = plan_transfers(box.topo, options=TransferOptions(probe=probe))
     assert all(
         q.transport == "staged" and "cudaDeviceCanAccessPeer is 0" in q.reason for q in p.pairs
     )
@@ -264,9 +264,9 @@ def test_current_with_probe_picks_up_file_then_cache(clean_env, monkeypatch):
 
 
 def test_buffer_planner_reads_the_recorded_probe(clean_env, monkeypatch, tmp_path):
-    """cuda_backend.topology_rank_plan (what Buffer(backend="cuda") calls on rank 0) with a
+    """cuda_backend.topology_rank_transfers (what Buffer(backend="cuda") calls on rank 0) with a
     recorded probe: the ranks' pairs carry the probe's directions."""
-    from pcie_a2a.transport.cuda import topology_rank_plan
+    from pcie_a2a.transport.cuda import topology_rank_transfers
 
     box = broadcom_box(FIXTURES)
     topo_file = tmp_path / "topo.json"
@@ -274,7 +274,7 @@ def test_buffer_planner_reads_the_recorded_probe(clean_env, monkeypatch, tmp_pat
     monkeypatch.setenv("PCIE_A2A_TOPO_FILE", str(topo_file))
     monkeypatch.setenv("PCIE_A2A_PROBE_FILE", str(probe_file(BROADCOM)))
     buses = [g.bus_id for g in box.topo.gpus]
-    rp, note = topology_rank_plan(buses)
+    rp, note = topology_rank_transfers(buses)
     assert rp is not None and "by PCI bus id" in note
     assert rp.pair_direction[0][1] == "push" and rp.pair_direction[0][2] == "pull"
     assert rp.to_dict()["pairs"][1]["direction"] == "pull"  # 0 -> 2
@@ -330,4 +330,4 @@ def test_gate_seed_differs_per_transfer():
 def test_no_warnings_from_a_clean_plan(clean_env):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        plan(broadcom_box(FIXTURES).topo, options=PlanOptions(probe=record(BROADCOM)))
+        plan_transfers(broadcom_box(FIXTURES).topo, options=TransferOptions(probe=record(BROADCOM)))

@@ -22,19 +22,26 @@ once), the flag ping-pong (two kernels must run at the same time), timing, PCIe 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from native_emulation import compiler, missed_mutations, mutate, skip_or_fail
+from native_emulation import (
+    MODEL_FLAGS,
+    PTX_MODEL,
+    compiler,
+    missed_mutations,
+    mutate,
+    skip_or_fail,
+)
 from probe_synthetic import gate_pattern
 
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = ROOT / "csrc"
 EMU = Path(__file__).resolve().parent / "native" / "probe_emu"
-MODEL = Path(__file__).resolve().parent / "native" / "emu"
 SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined"]
 NBYTES = 4133  # 258 vectors and a 5-byte tail
 DEVICES = 3
@@ -52,7 +59,7 @@ def _units(csrc: Path) -> list[tuple[Path, list[str]]]:
 
 def _flags(csrc: Path, sanitize: bool) -> list[str]:
     f = ["-std=c++17", "-fno-strict-aliasing", "-Wno-unknown-pragmas", "-fno-omit-frame-pointer"]
-    f += ["-iquote", str(EMU / "override"), "-I", str(EMU / "include"), "-I", str(MODEL)]
+    f += ["-iquote", str(EMU / "override"), "-I", str(EMU / "include"), *MODEL_FLAGS]
     return f + ["-I", str(csrc)] + (SANITIZE if sanitize else [])
 
 
@@ -191,3 +198,18 @@ def test_mutations_are_caught(emulator, tmp_path):
 
     missed = missed_mutations(MUTATIONS, make, check, (AssertionError, subprocess.TimeoutExpired))
     assert not missed, f"mutations not caught by the probe gate: {missed}"
+
+
+def test_emulated_sources_are_the_probe():
+    """The probe's kernels get their PTX from cuda/common/ptx.cuh only (the one header the
+    execution model replaces): no inline PTX in csrc/cuda/probe, and the model defines every
+    primitive the kernels call."""
+    used = set()
+    for path in (CSRC / "cuda" / "probe").iterdir():
+        text = path.read_text()
+        assert not re.search(r"\basm\b", text), f"{path.name} has inline PTX"
+        used |= set(re.findall(r"using cuda::(\w+);", text))
+    assert used == {"ld_acquire_sys", "ld_relaxed_sys", "st_release_sys", "globaltimer_ns"}
+    real, emu = (CSRC / "cuda" / "common" / "ptx.cuh").read_text(), PTX_MODEL.read_text()
+    for fn in used:
+        assert re.search(rf"\b{fn}\(", real) and re.search(rf"\b{fn}\(", emu), fn

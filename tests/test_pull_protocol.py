@@ -194,15 +194,15 @@ def _cases_with(rank, world, direction):
 def _planned(monkeypatch):
     """The planner's own per-pair decisions for the 4x L40S fixture, with PCIE_A2A_PAIRS
     pulling some P2P pairs (one pair pulled one way and pushed the other; staged pairs
-    push): what a Buffer built from RankPlan.pair_direction receives."""
-    from pcie_a2a.topology import PlanOptions, load, plan
-    from pcie_a2a.topology.ranks import plan_ranks
+    push): what a Buffer built from RankTransfers.pair_direction receives."""
+    from pcie_a2a.topology import TransferOptions, load, plan_transfers
+    from pcie_a2a.topology.ranks import rank_transfers
     from topology_fixtures import FIXTURES
 
     monkeypatch.setenv("PCIE_A2A_PAIRS", "0-1:pull,1-0:push,2-3:pull,3-2:pull,1-3:pull")
     topo = load(FIXTURES / "4x-l40s-dual-socket.topo.txt")
-    p = plan(topo, options=PlanOptions.from_env())
-    rp = plan_ranks(topo, p, [f"0000:{0x01 + 0x20 * i:02x}:00.0" for i in range(4)])
+    p = plan_transfers(topo, options=TransferOptions.from_env())
+    rp = rank_transfers(topo, p, [f"0000:{0x01 + 0x20 * i:02x}:00.0" for i in range(4)])
     assert rp.pair_direction[0][1] == "pull" and rp.pair_direction[1][0] == "push"
     assert rp.pair_direction[1][3] == "push"  # a staged pair pushes
     return rp.pair_direction

@@ -1,11 +1,13 @@
 """The grid model of the INT4 MoE kernel (python/pcie_a2a/quant/grid_model.py): its
-constants are the kernel's, its partition is the kernel's stream-K partition, and for
-every low-latency decode step on every target GPU it predicts block_m 16, no tails and
-the issue's fractions of the weight-bandwidth floor (an estimate; the benchmark
+constants are the kernel's, its partition is the kernel's stream-K partition, for every
+low-latency decode step on every target GPU it predicts block_m 16 and no tails, and its
+costs are the hand-computed ones (weight-byte floor, fixed cost of a launch, the L2
+prefetch threshold) and grow with the active experts (an estimate; the benchmark
 measures)."""
 
 from __future__ import annotations
 
+import itertools
 import re
 from pathlib import Path
 
@@ -74,35 +76,89 @@ def test_every_low_latency_decode_step_uses_block_m_16_without_tails(gpu):
                 assert plan.max_units - plan.min_units <= 1, (gpu, a, m, plan)
                 # every CTA slot has work unless even 4-k-tile parts cannot fill them
                 spec = G.GPUS[gpu]
-                slots = spec.sms * G.ctas_per_sm(G.ARCHS[spec.arch], 16, G.NEW_REGS[16])
+                slots = spec.sms * G.ctas_per_sm(G.ARCHS[spec.arch], 16, G.REGS[16])
                 want = min(slots, plan.items * plan.k_tiles // G.MIN_PART_K_TILES)
                 assert plan.ctas >= min(want, G.WS_SLOTS_PER_SM[16] * spec.sms), (gpu, a, m)
 
 
-def test_the_old_grid_had_the_reviews_tails():
-    """The same checks fail on the grid before issue 12: block_m 64 for low-latency decode
-    and whole-item waves (17 active experts on a 4090: the last wave of 272 gate/up items
-    on 128 CTAs is 16 items)."""
-    p = G.predict("rtx_4090", 17, 1, policy="old")
-    assert p.block_m == 64
-    assert p.gate_up.max_units - p.gate_up.min_units >= p.gate_up.k_tiles  # a whole wave
-    assert p.fraction < G.predict("rtx_4090", 17, 1).fraction
+# Kimi K2 (the default Shape): hidden 7168, intermediate 2048, int4 weights (1/2 B each)
+# and one bf16 scale (2 B) per 32 weights of a row. Per expert:
+#   gate/up [4096 x 7168]: 4096 * 7168 / 2 + 4096 * (7168 / 32) * 2 = 14,680,064 + 1,835,008
+#   down    [7168 x 2048]: 7168 * 2048 / 2 + 7168 * (2048 / 32) * 2 =  7,340,032 +   917,504
+KIMI_GATE_UP_BYTES = 16_515_072
+KIMI_DOWN_BYTES = 8_257_536
 
 
-@pytest.mark.parametrize("gpu", ["rtx_pro_6000", "rtx_4090", "l40s", "rtx_5090"])
-def test_predicted_fraction_of_the_floor(gpu):
-    """The issue's targets, as the model predicts them (>= 80% from 8 active experts up,
-    >= 65% at 1-4 rows per expert), except one active expert: with the fixed cost taken
-    from the compiled code (issue 24; it was a 3 us constant) the model predicts 64.9-66%
-    there on sm_120, so its bound is 60% until the schedule kernel is folded into gate/up."""
-    for a in (1, 2, 4, 8, 16, 24, 32, 48):
-        for m in (1, 4, 16):
-            f = G.predict(gpu, a, m).fraction
-            assert f >= (0.80 if a >= 8 else 0.60 if a == 1 else 0.65), (gpu, a, m, f)
+def test_weight_floor_is_the_weight_bytes_at_the_spec_bandwidth():
+    # 8 Kimi experts on an RTX 4090 (1008 GB/s = 1,008,000 B/us):
+    # 8 * (16,515,072 + 8,257,536) = 198,180,864 B -> 196.608 us
+    assert G.GPUS["rtx_4090"].bw_gbs == 1008.0
+    assert G.predict("rtx_4090", 8, 1).floor_us == pytest.approx(196.608, rel=1e-12)
+    # a small shape, 3 experts on an H200 (4800 GB/s): gate/up [512 x 512]: 131,072 + 16,384;
+    # down [512 x 256]: 65,536 + 8,192; 3 * 221,184 = 663,552 B -> 0.13824 us
+    small = G.Shape(hidden=512, intermediate=256)
+    assert G.predict("h200", 3, 4, shape=small).floor_us == pytest.approx(0.13824, rel=1e-12)
+    # group 128: a quarter of the scale bytes (gate/up 14,680,064 + 458,752, down
+    # 7,340,032 + 229,376), 1 expert on an L40S (864 GB/s): 22,708,224 B -> 26.282666.. us
+    g128 = G.Shape(group=128)
+    assert G.predict("l40s", 1, 1, shape=g128).floor_us == pytest.approx(22_708_224 / 864e3)
+
+
+def test_gemm_fixed_cost_from_the_l2_latency_and_the_prologue():
+    # 3 dependent loads before the first weight copy + 2 tail round trips, each an L2 hit,
+    # and 500 prologue instructions, one a cycle: 5 * 0.4 us + 500 / 2000 per us = 2.25 us
+    gpu = G.Gpu("hand", "sm_90", sms=132, bw_gbs=4800.0, clock_ghz=2.0, latency_us=0.7,
+                l2_mb=50, l2_latency_us=0.4)  # fmt: skip
+    assert G.gemm_fixed_us(gpu) == pytest.approx(2.25, rel=1e-12)
+    # the table's RTX 4090 (L2 hit 0.3 us, 2.5 GHz): 5 * 0.3 + 500 / 2500 = 1.7 us
+    assert G.gemm_fixed_us(G.GPUS["rtx_4090"]) == pytest.approx(1.7, rel=1e-12)
+
+
+@pytest.mark.parametrize("gpu", sorted(G.GPUS))
+def test_more_active_experts_never_cost_less(gpu):
+    for m in (1, 16):
+        ps = [G.predict(gpu, a, m) for a in range(1, 49)]
+        assert all(q.time_us >= p.time_us for p, q in itertools.pairwise(ps)), (gpu, m)
+        assert all(q.floor_us > p.floor_us for p, q in itertools.pairwise(ps)), (gpu, m)
+
+
+# Down weights of n experts fit in half of L2 while n * 8,257,536 B <= L2 / 2:
+#   128 MB: 67,108,864 / 8,257,536 = 8.13 -> 8;  96 MB: 50,331,648 / .. = 6.10 -> 6
+#    72 MB: 37,748,736 / 8,257,536 = 4.57 -> 4;  50 MB: 26,214,400 / .. = 3.17 -> 3
+PREFETCH_MAX_EXPERTS = {128: 8, 96: 6, 72: 4, 50: 3}
+
+
+@pytest.mark.parametrize("gpu", sorted(G.GPUS))
+def test_l2_prefetch_note_exactly_while_the_down_weights_fit_in_half_of_l2(gpu):
+    spec = G.GPUS[gpu]
+    n = PREFETCH_MAX_EXPERTS[spec.l2_mb]
+    assert n * KIMI_DOWN_BYTES <= spec.l2_mb * 2**20 / 2 < (n + 1) * KIMI_DOWN_BYTES
+    for a in (1, n - 1, n, n + 1, n + 2, 48):
+        notes = G.predict(gpu, a, 1).notes
+        assert (G.L2_PREFETCH_NOTE in notes) == (a <= n), (gpu, a, notes)
+
+
+def test_prefetch_saves_at_most_a_launch_and_a_prologue():
+    # On the RTX 4090 (sm_89, no PDL: a 2.5 us launch gap) 4 experts prefetch, 5 do not;
+    # the fixed cost then differs by the saving, 2.5 + 1.7 us, and by the 1 more active
+    # row's zero/finalise bytes (m = 1: one row per expert; 7168 * 10 B at 1008 GB/s).
+    four, five = G.predict("rtx_4090", 4, 1), G.predict("rtx_4090", 5, 1)
+    assert five.fixed_us - four.fixed_us == pytest.approx(2.5 + 1.7 + 7168 * 10 / 1008e3)
+
+
+def test_predict_rejects_bad_input():
+    with pytest.raises(ValueError, match=r"gpu_name: got 'rtx_9090'; allowed: h100_pcie, "):
+        G.predict("rtx_9090", 1, 1)
+    with pytest.raises(ValueError, match=r"layout: got 'sparse'; allowed: low_latency, normal"):
+        G.predict("rtx_4090", 1, 1, layout="sparse")
+    with pytest.raises(ValueError, match=r"active_experts: got 0; allowed: an int >= 1"):
+        G.predict("rtx_4090", 0, 1)
+    with pytest.raises(ValueError, match=r"rows_per_expert: got 2.5; allowed: an int >= 1"):
+        G.predict("rtx_4090", 1, 2.5)
 
 
 def test_table_prints_every_gpu():
-    text = G.table("new", rows=(1,))
+    text = G.table(rows=(1,))
     for g in G.GPUS:
         assert g in text
     assert len(text.splitlines()) == 1 + len(G.GPUS) * len(G.DECODE_ACTIVE)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pcie_a2a.topology import Plan, format_plan
+from pcie_a2a.topology import TransferPlan, format_plan
 from pcie_a2a.topology import cli as topo_cli
 from topology_fixtures import FIXTURES
 
@@ -58,7 +58,7 @@ def test_json_save_and_reload(tmp_path, capsys):
     doc = json.loads(capsys.readouterr().out)
     assert doc["topology"]["format"] == "pcie_a2a.topology" and len(doc["topology"]["gpus"]) == 8
     assert all(p["transport"] == "p2p" for p in doc["plan"]["pairs"])
-    reloaded = Plan.from_json(saved.read_text())
+    reloaded = TransferPlan.from_json(saved.read_text())
     assert json.loads(reloaded.to_json()) == doc["plan"]
     # The printed plan is the saved plan: the text of the reloaded one appears verbatim.
     assert run("--from", str(BROADCOM), "--probe-file", str(probe), "--link-gen", "5") == 0

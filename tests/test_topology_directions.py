@@ -7,9 +7,9 @@ from dataclasses import replace
 
 import pytest
 
-from pcie_a2a.topology import PlanOptions, kimi_k2_decode, load, plan, roots
+from pcie_a2a.topology import TransferOptions, kimi_k2_decode, load, plan_transfers, roots
 from pcie_a2a.topology.planner import decisions_dict
-from pcie_a2a.topology.ranks import plan_ranks
+from pcie_a2a.topology.ranks import rank_transfers
 from topology_fixtures import FIXTURES
 
 BROADCOM = FIXTURES / "8x-rtxpro6000-dual-epyc9575f-broadcom-pex890xx.topo.txt"
@@ -22,7 +22,7 @@ def broadcom(cpu=None, switch=None):
 
 
 def test_collapse_prone_class_pulls_cross_root_pairs():
-    p = plan(broadcom("amd", "broadcom"), options=PlanOptions(default_link_gen=5))
+    p = plan_transfers(broadcom("amd", "broadcom"), options=TransferOptions(default_link_gen=5))
     for q in p.pairs:
         if q.transport == "staged":  # SYS without a measurement
             assert q.direction == "push" and q.path_class == "SYS"
@@ -52,7 +52,7 @@ def test_collapse_prone_class_pulls_cross_root_pairs():
     ],
 )
 def test_class_defaults_by_vendor(cpu, switch, words):
-    p = plan(broadcom(cpu, switch))
+    p = plan_transfers(broadcom(cpu, switch))
     q = p.pair(0, 2)
     assert words in q.direction_reason
     assert q.direction == ("pull" if cpu == "amd" and switch == "microchip" else "push")
@@ -60,12 +60,12 @@ def test_class_defaults_by_vendor(cpu, switch, words):
 
 def test_no_trigger_without_two_destination_root_complexes():
     # Threadripper: each root switch reaches only the other root port's complex.
-    p = plan(load(THREADRIPPER))
+    p = plan_transfers(load(THREADRIPPER))
     assert all(q.direction == "push" and q.trigger_switch is None for q in p.pairs)
     assert "no shared switch uplink" in p.pair(0, 4).direction_reason
     assert not p.phased and p.collapse_violations == 0
     # Direct attach: no switch at all; the engine reason warns about driver staging.
-    d = plan(roots.with_vendor_hints(load(DIRECT), cpu="amd"))
+    d = plan_transfers(roots.with_vendor_hints(load(DIRECT), cpu="amd"))
     assert all(q.direction == "push" for q in d.pairs)
     assert (
         "on direct-attach NODE pairs the driver may route kernel P2P" in d.pair(0, 1).engine_reason
@@ -74,7 +74,9 @@ def test_no_trigger_without_two_destination_root_complexes():
 
 def test_schedule_keeps_each_switch_on_one_root_complex_per_round():
     t = broadcom()
-    p = plan(t, options=PlanOptions(p2p_level="SYS"))  # every pair P2P push, 48 leave a switch
+    p = plan_transfers(
+        t, options=TransferOptions(p2p_level="SYS")
+    )  # every pair P2P push, 48 leave a switch
     assert p.phased and p.collapse_violations == 0
     for r, rnd in enumerate(p.rounds):
         per_switch: dict[str, set[str]] = {}
@@ -84,15 +86,15 @@ def test_schedule_keeps_each_switch_on_one_root_complex_per_round():
             if q.trigger_switch:
                 per_switch.setdefault(q.trigger_switch, set()).add(roots.root_complex(t, b))
         assert all(len(rcs) == 1 for rcs in per_switch.values()), (r, per_switch)
-    spread = plan(t, options=PlanOptions(p2p_level="SYS", schedule="spread"))
+    spread = plan_transfers(t, options=TransferOptions(p2p_level="SYS", schedule="spread"))
     assert spread.collapse_violations > 0 and not spread.phased
 
 
 def test_collapse_in_the_prediction_when_push_is_forced_on_the_prone_class():
     t = broadcom("amd", "broadcom")
-    opts = PlanOptions(default_link_gen=5, p2p_level="SYS", direction="push")
-    auto = plan(t, kimi_k2_decode(8), opts)
-    spread = plan(t, kimi_k2_decode(8), replace(opts, schedule="spread"))
+    opts = TransferOptions(default_link_gen=5, p2p_level="SYS", direction="push")
+    auto = plan_transfers(t, kimi_k2_decode(8), opts)
+    spread = plan_transfers(t, kimi_k2_decode(8), replace(opts, schedule="spread"))
     assert auto.collapse_violations == 0 < spread.collapse_violations
     assert dict((sw, f) for sw, f, _ in auto.collapse_factors)["sw0"] == pytest.approx(2.7 / 36.8)
     # rounds that push into 2+ root complexes keep 7% of their rate: several times slower
@@ -103,7 +105,7 @@ def test_environment_overrides(monkeypatch):
     t = broadcom("amd", "broadcom")
     monkeypatch.setenv("PCIE_A2A_DIRECTION", "push")
     monkeypatch.setenv("PCIE_A2A_ENGINE", "ce")
-    p = plan(t, options=PlanOptions.from_env())
+    p = plan_transfers(t, options=TransferOptions.from_env())
     assert all(q.direction == "push" for q in p.pairs)
     assert all(
         q.engine == "copy_engine" and q.engine_reason == "PCIE_A2A_ENGINE=copy_engine"
@@ -113,7 +115,7 @@ def test_environment_overrides(monkeypatch):
     monkeypatch.delenv("PCIE_A2A_DIRECTION")
     monkeypatch.delenv("PCIE_A2A_ENGINE")
     monkeypatch.setenv("PCIE_A2A_PAIRS", "0-4:p2p+push; *-7:staged+ce, 2-3:pull 0-5:staged+pull")
-    p = plan(t, options=PlanOptions.from_env())
+    p = plan_transfers(t, options=TransferOptions.from_env())
     q = p.pair(0, 4)
     assert (q.transport, q.direction, q.reason) == ("p2p", "push", "PCIE_A2A_PAIRS sets p2p")
     assert all(
@@ -126,7 +128,7 @@ def test_environment_overrides(monkeypatch):
     assert (staged.transport, staged.direction) == ("staged", "push")
     assert staged.direction_reason.startswith("host-staged")
     monkeypatch.setenv("PCIE_A2A_SCHEDULE", "spread")
-    assert PlanOptions.from_env().schedule == "spread"
+    assert TransferOptions.from_env().schedule == "spread"
 
 
 def test_pair_override_cannot_beat_the_driver(monkeypatch):
@@ -134,7 +136,7 @@ def test_pair_override_cannot_beat_the_driver(monkeypatch):
 
     t = broadcom().with_p2p(P2PStatus.DISABLED, [(0, 1)])
     monkeypatch.setenv("PCIE_A2A_PAIRS", "0-1:p2p")
-    q = plan(t, options=PlanOptions.from_env()).pair(0, 1)
+    q = plan_transfers(t, options=TransferOptions.from_env()).pair(0, 1)
     assert q.transport == "staged"
     assert q.reason == "driver reports P2P disabled; PCIE_A2A_PAIRS cannot override the driver"
 
@@ -156,21 +158,21 @@ def test_bad_environment_values_name_the_variable(monkeypatch, name, value, expe
 
     monkeypatch.setenv(name, value)
     with pytest.raises(ValueError) as info:
-        PlanOptions.from_env()
+        TransferOptions.from_env()
         env.probe_cache()
     assert expected in str(info.value)
 
 
 def test_options_validate():
     with pytest.raises(ValueError, match="direction='up': expected None or one of push, pull"):
-        PlanOptions(direction="up")
+        TransferOptions(direction="up")
     with pytest.raises(ValueError, match="engine='gpu'"):
-        PlanOptions(engine="gpu")
+        TransferOptions(engine="gpu")
 
 
 def test_decisions_as_data_for_stats_and_ranks():
     t = broadcom("amd", "broadcom")
-    p = plan(t)
+    p = plan_transfers(t)
     d = decisions_dict(p)
     assert len(d["pairs"]) == 56 and d["rounds"] == [list(r) for r in p.rounds]
     first = d["pairs"][1]  # 0 -> 2
@@ -181,7 +183,7 @@ def test_decisions_as_data_for_stats_and_ranks():
     )
     buses = [f"0000:{b:02x}:00.0" for b in (0x11, 0x12, 0x71, 0x72, 0x81, 0x82, 0xF1, 0xF2)]
     shuffle = [5, 0, 7, 2, 1, 6, 3, 4]
-    rp = plan_ranks(t, p, [buses[g] for g in shuffle])
+    rp = rank_transfers(t, p, [buses[g] for g in shuffle])
     for s in range(8):
         for d_ in range(8):
             if s == d_:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pcie_a2a.topology import P2PStatus, PlanOptions, discover, live, plan
+from pcie_a2a.topology import P2PStatus, TransferOptions, discover, live, plan_transfers
 
 
 def write(path: Path, **files: str) -> None:
@@ -139,7 +139,7 @@ def test_two_sockets_two_switches_each(tmp_path):
     assert [n.name for n in t.nics] == ["eth0"] and t.nics[0].numa_node == 0
     assert all(s == P2PStatus.UNKNOWN for r in t.p2p for s in r)
 
-    p = plan(t, options=PlanOptions(default_link_gen=4))
+    p = plan_transfers(t, options=TransferOptions(default_link_gen=4))
     assert p.pair(0, 1).transport == "p2p" and p.pair(0, 1).gbps == 51.5  # Gen5 from sysfs
     assert p.pair(0, 4).transport == "staged" and p.pair(0, 4).staging_node == 1
     cross = [sum(1 for a, b in enumerate(r) if a < 4 <= b) for r in p.rounds]
@@ -153,7 +153,7 @@ def test_flat_single_switch(tmp_path):
     assert all(t.classes[i][j] == "PIX" for i in range(8) for j in range(8) if i != j)
     assert [g.link_width for g in t.gpus] == [16] * 7 + [8]
     assert t.switches[0].link_gen == 4 and t.switches[0].vendor == "0x10b5"
-    p = plan(t)
+    p = plan_transfers(t)
     assert all(q.transport == "p2p" for q in p.pairs)
     # Everything stays below the switch: no shared link is used at all.
     assert p.max_shared_load == 0
@@ -189,7 +189,7 @@ def test_this_machine_without_gpus_gives_an_empty_list():
     t = discover()
     assert t.num_gpus == 0 and t.classes == () and len(t.numa_nodes) >= 1
     assert discover("/nonexistent-sysfs").num_gpus == 0
-    p = plan(t)
+    p = plan_transfers(t)
     assert p.pairs == () and p.rounds == ()
 
 
@@ -219,4 +219,4 @@ def test_cuda_peer_hook_sets_p2p_status(tmp_path, monkeypatch):
     assert t.p2p_status(7, 6) == P2PStatus.UNSUPPORTED == t.p2p_status(6, 7)
     assert t.p2p_status(0, 1) == P2PStatus.SUPPORTED
     assert any("cudaDeviceCanAccessPeer" in note for note in t.notes)
-    assert plan(t).pair(6, 7).transport == "staged"
+    assert plan_transfers(t).pair(6, 7).transport == "staged"

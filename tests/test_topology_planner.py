@@ -10,16 +10,16 @@ import pytest
 
 from pcie_a2a.topology import (
     P2PStatus,
-    Plan,
-    PlanOptions,
     Traffic,
+    TransferOptions,
+    TransferPlan,
     expected_distinct_ranks,
     format_plan,
     kimi_k2_decode,
     load,
     parse_p2p_test,
     parse_topo,
-    plan,
+    plan_transfers,
 )
 from pcie_a2a.topology.nccl_log import parse_nccl_paths
 from topology_fixtures import FIXTURES
@@ -43,7 +43,7 @@ def pairs(n: int):
     return [(a, b) for a in range(n) for b in range(n) if a != b]
 
 
-def shared_load(p: Plan, rounds) -> int:
+def shared_load(p: TransferPlan, rounds) -> int:
     """Most flows on one shared link in any round, for any schedule over plan p's paths."""
     shared = {lk.id for lk in p.links if lk.shared}
     worst = 0
@@ -61,7 +61,7 @@ def naive_rounds(n: int):
     return [tuple((i + r) % n for i in range(n)) for r in range(1, n)]
 
 
-def cross_socket_per_round(p: Plan, sockets: list[int]) -> list[int]:
+def cross_socket_per_round(p: TransferPlan, sockets: list[int]) -> list[int]:
     return [
         sum(1 for a, b in enumerate(rnd) if sockets[a] == 0 and sockets[b] == 1) for rnd in p.rounds
     ]
@@ -71,8 +71,8 @@ def test_broadcom_box_measured_p2p_everywhere_and_cross_socket_spread():
     t = topo(BROADCOM)
     # p2pBandwidthLatencyTest numbers (no loads, no patterns), vendors not in topo -m: every
     # pair pushes, and the cross-root pushes of the four 2-GPU switches are phased.
-    opts = PlanOptions(probe=probe(BROADCOM), default_link_gen=5)
-    p = plan(t, kimi_k2_decode(8), opts)
+    opts = TransferOptions(probe=probe(BROADCOM), default_link_gen=5)
+    p = plan_transfers(t, kimi_k2_decode(8), opts)
     assert all(q.transport == "p2p" and q.direction == "push" for q in p.pairs)
     assert p.pair(0, 4).reason == "measured P2P 47.0 GB/s >= staged 28.5 (table)"
     assert (p.pair(0, 1).gbps, p.pair(0, 1).latency_us) == (51.0, 0.73)
@@ -85,7 +85,7 @@ def test_broadcom_box_measured_p2p_everywhere_and_cross_socket_spread():
     # Without the trigger rule (PCIE_A2A_SCHEDULE=spread): 16 cross-socket flows per
     # direction over 7 rounds, at best 3 in the busiest round; sending in index order
     # (i -> i + r) puts all 4 of a socket's GPUs across in round 4.
-    spread = plan(t, kimi_k2_decode(8), replace(opts, schedule="spread"))
+    spread = plan_transfers(t, kimi_k2_decode(8), replace(opts, schedule="spread"))
     assert max(cross_socket_per_round(spread, sockets)) == 3
     assert sum(cross_socket_per_round(spread, sockets)) == 16
     assert shared_load(p, naive_rounds(8)) == 4
@@ -97,13 +97,13 @@ def test_broadcom_box_measured_p2p_everywhere_and_cross_socket_spread():
 
 
 def test_broadcom_box_without_measurement_stages_sys_on_receiver_node():
-    p = plan(topo(BROADCOM))
+    p = plan_transfers(topo(BROADCOM))
     for q in p.pairs:
         cross = (q.src < 4) != (q.dst < 4)
         assert q.transport == ("staged" if cross else "p2p")
         assert q.staging_node == ((1 if q.dst >= 4 else 0) if cross else None)
     assert p.pair(0, 1).path_class == "PIX" and p.pair(0, 2).path_class == "NODE"
-    everything = plan(topo(BROADCOM), options=PlanOptions(p2p_level="SYS"))
+    everything = plan_transfers(topo(BROADCOM), options=TransferOptions(p2p_level="SYS"))
     assert all(q.transport == "p2p" for q in everything.pairs)
 
 
@@ -120,12 +120,12 @@ def test_dual_xeon_4090_driver_disabled_p2p_stages_on_receiver_node():
     ]
     assert len(rerouted) >= 12
     t = t.with_p2p(P2PStatus.DISABLED)
-    p = plan(t, kimi_k2_decode(8))
+    p = plan_transfers(t, kimi_k2_decode(8))
     assert all(
         q.transport == "staged" and q.reason == "driver reports P2P disabled" for q in p.pairs
     )
     assert all(q.staging_node == (0 if q.dst < 4 else 1) for q in p.pairs)
-    forced = plan(t, options=PlanOptions(p2p=True))
+    forced = plan_transfers(t, options=TransferOptions(p2p=True))
     assert all(q.transport == "staged" for q in forced.pairs)
     assert forced.pair(0, 1).reason.endswith("PCIE_A2A_P2P=1 cannot override the driver")
     assert p.pair(0, 1).gbps == 13.0 and p.pair(0, 1).latency_us == 14.0  # Gen4 staged table
@@ -133,11 +133,11 @@ def test_dual_xeon_4090_driver_disabled_p2p_stages_on_receiver_node():
 
 def test_all_sys_box():
     t = topo(ALL_SYS)
-    p = plan(t)
+    p = plan_transfers(t)
     assert all(q.transport == "staged" and q.reason.startswith("SYS crosses") for q in p.pairs)
     assert [p.pair((d + 1) % 8, d).staging_node for d in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
     assert max(cross_socket_per_round(p, [0, 0, 0, 0, 1, 1, 1, 1])) == 3
-    forced = plan(t, options=PlanOptions(p2p_level="SYS"))
+    forced = plan_transfers(t, options=TransferOptions(p2p_level="SYS"))
     assert all(q.transport == "p2p" for q in forced.pairs)
     assert forced.pair(0, 1).reason == (
         "PCIE_A2A_P2P_LEVEL=SYS allows SYS; P2P status unknown here, checked when the transport connects"
@@ -146,7 +146,9 @@ def test_all_sys_box():
 
 def test_threadripper_three_switches_all_p2p_and_uplinks_spread():
     t = topo(THREADRIPPER)
-    p = plan(t, kimi_k2_decode(8), PlanOptions(probe=probe(THREADRIPPER), default_link_gen=5))
+    p = plan_transfers(
+        t, kimi_k2_decode(8), TransferOptions(probe=probe(THREADRIPPER), default_link_gen=5)
+    )
     assert all(q.transport == "p2p" and q.staging_node is None for q in p.pairs)
     assert {p.pair(0, b).path_class for b in range(1, 8)} == {"PIX", "PXB", "NODE"}
     assert p.pair(0, 5).gbps == 52.0 and p.pair(0, 5).latency_us == 0.53
@@ -158,7 +160,7 @@ def test_threadripper_three_switches_all_p2p_and_uplinks_spread():
 
 
 def test_nvlink_pairs_preferred():
-    p = plan(topo(NVLINK), kimi_k2_decode(8))
+    p = plan_transfers(topo(NVLINK), kimi_k2_decode(8))
     nv = p.pair(0, 1)
     assert (nv.transport, nv.reason, nv.links) == ("p2p", "NVLink (NV12)", ())
     assert nv.gbps == pytest.approx(12 * 20.8)
@@ -169,16 +171,16 @@ def test_nvlink_pairs_preferred():
 
 def test_measured_slow_p2p_falls_back_to_staging():
     t = parse_topo((FIXTURES / "6x-rtx4090-2023-driver.topo.txt").read_text(), "6x")
-    p = plan(t, options=PlanOptions(probe=probe("6x-rtx4090-2023-driver")))
+    p = plan_transfers(t, options=TransferOptions(probe=probe("6x-rtx4090-2023-driver")))
     assert all(q.transport == "staged" for q in p.pairs)
     assert p.pair(0, 1).reason == "measured P2P 9.9 GB/s < staged 20.1 (measured)"
     assert p.pair(0, 1).gbps == 20.10 and p.pair(0, 1).estimate == "probe"
 
 
 def test_gns_status_from_topo_p2p_is_respected():
-    p = plan(topo("2x-rtx5090-threadripper3975wx", ".topo-p2p.txt"))
+    p = plan_transfers(topo("2x-rtx5090-threadripper3975wx", ".topo-p2p.txt"))
     assert [q.transport for q in p.pairs] == ["staged", "staged"]
-    ok = plan(topo("5x-rtx50series-epyc-patched", ".topo-p2p.txt"))
+    ok = plan_transfers(topo("5x-rtx50series-epyc-patched", ".topo-p2p.txt"))
     assert all(q.transport == "p2p" for q in ok.pairs) and ok.pair(3, 4).path_class == "PHB"
 
 
@@ -186,7 +188,7 @@ def test_gns_status_from_topo_p2p_is_respected():
     "name", [BROADCOM, XEON_4090, ALL_SYS, THREADRIPPER, NVLINK, "4x-l40s-dual-socket"]
 )
 def test_schedule_covers_every_pair_once_one_send_and_receive_per_round(name):
-    p = plan(topo(name))
+    p = plan_transfers(topo(name))
     n = p.num_gpus
     seen = []
     for rnd in p.rounds:
@@ -199,7 +201,7 @@ def test_prediction_by_hand_on_two_gpus():
     text = "\tGPU0\tGPU1\tNUMA Affinity\nGPU0\t X \tPHB\t0\nGPU1\tPHB\t X \t0\n"
     t = parse_topo(text, "two")
     traffic = Traffic("1 MB each way", ((0.0, 1e6), (1e6, 0.0)))
-    p = plan(t, traffic, PlanOptions(default_link_gen=4))
+    p = plan_transfers(t, traffic, TransferOptions(default_link_gen=4))
     rep = p.reports[0]
     # Gen4 PHB P2P: 25 GB/s, 0.4 us; one round; the GPU links (25 GB/s) carry one flow each.
     assert rep.round_us == (pytest.approx(0.4 + 1e6 / 25e3),)
@@ -222,30 +224,32 @@ def test_kimi_k2_traffic():
 
 def test_plan_is_pure_and_env_only_through_from_env(monkeypatch):
     t = topo(BROADCOM)
-    first = plan(t, kimi_k2_decode(8))
+    first = plan_transfers(t, kimi_k2_decode(8))
     monkeypatch.setenv("PCIE_A2A_P2P", "0")
-    assert plan(t, kimi_k2_decode(8)) == first
-    off = plan(t, options=PlanOptions.from_env())
+    assert plan_transfers(t, kimi_k2_decode(8)) == first
+    off = plan_transfers(t, options=TransferOptions.from_env())
     assert all(
         q.transport == "staged" and q.reason == "P2P forced off (PCIE_A2A_P2P=0)" for q in off.pairs
     )
     monkeypatch.delenv("PCIE_A2A_P2P")
     monkeypatch.setenv("PCIE_A2A_P2P_LEVEL", "pix")
-    lvl = plan(t, options=PlanOptions.from_env())
+    lvl = plan_transfers(t, options=TransferOptions.from_env())
     assert lvl.pair(0, 1).transport == "p2p" and lvl.pair(0, 2).transport == "staged"
     monkeypatch.setenv("PCIE_A2A_P2P_LEVEL", "bogus")
     with pytest.raises(ValueError, match="PCIE_A2A_P2P_LEVEL"):
-        PlanOptions.from_env()
+        TransferOptions.from_env()
     with pytest.raises(ValueError, match="path class 'FAR'"):
-        PlanOptions(p2p_level="far")
+        TransferOptions(p2p_level="far")
 
 
 def test_plan_json_round_trip_prints_the_same():
-    p = plan(
-        topo(BROADCOM), kimi_k2_decode(8), PlanOptions(probe=probe(BROADCOM), default_link_gen=5)
+    p = plan_transfers(
+        topo(BROADCOM),
+        kimi_k2_decode(8),
+        TransferOptions(probe=probe(BROADCOM), default_link_gen=5),
     )
     text = p.to_json()
-    again = Plan.from_json(text)
+    again = TransferPlan.from_json(text)
     assert again == p
     assert again.to_json() == text
     assert format_plan(again) == format_plan(p)
@@ -253,4 +257,4 @@ def test_plan_json_round_trip_prints_the_same():
 
 def test_traffic_size_must_match():
     with pytest.raises(ValueError, match="is 2x2, the topology has 8 GPUs"):
-        plan(topo(BROADCOM), Traffic("small", ((0.0, 1.0), (1.0, 0.0))))
+        plan_transfers(topo(BROADCOM), Traffic("small", ((0.0, 1.0), (1.0, 0.0))))

@@ -11,12 +11,12 @@ import pytest
 
 from pcie_a2a.topology import (
     P2PStatus,
-    PlanOptions,
     Traffic,
+    TransferOptions,
     load,
     load_probe,
     parse_topo,
-    plan,
+    plan_transfers,
     roots,
 )
 from pcie_a2a.topology.predict import format_predictions, predict
@@ -63,7 +63,7 @@ def box_prediction(name, probe_file, gen, cpu, switch, p2p_off):
         else:
             path = FIXTURES / probe_file
         probe = load_probe(str(path))
-    pred = predict(topo, PlanOptions(probe=probe, default_link_gen=gen))
+    pred = predict(topo, TransferOptions(probe=probe, default_link_gen=gen))
     label = name.split(".")[0] + (
         f" + {probe_file.split('/')[-1].split('.', 1)[1]}" if probe_file else ""
     )
@@ -97,7 +97,9 @@ def test_pull_pair_by_hand():
         a2a_load_gbps=16.0, ce_gbps=22.0, ce_read_gbps=23.0,
     )  # fmt: skip
     probe = Probe(pairs={(0, 1): m, (1, 0): m}, source="by hand")
-    p = plan(topo, Traffic("1 MB", ((0.0, 1e6), (1e6, 0.0))), PlanOptions(probe=probe))
+    p = plan_transfers(
+        topo, Traffic("1 MB", ((0.0, 1e6), (1e6, 0.0))), TransferOptions(probe=probe)
+    )
     q = p.pair(0, 1)
     assert (q.direction, q.engine, q.gbps) == ("pull", "sm", 24.0)
     assert q.direction_reason == "measured loads 16.0 GB/s > stores 10.0 (in the all-to-all)"
@@ -124,9 +126,9 @@ def l40s_by_hand() -> dict[str, tuple[float, float]]:
 
 def test_l40s_by_hand():
     topo = load(FIXTURES / "4x-l40s-dual-socket.topo.txt")
-    p = plan(topo, options=PlanOptions(default_link_gen=4))
+    p = plan_transfers(topo, options=TransferOptions(default_link_gen=4))
     assert all(any(p.pair(a, b).transport == "staged" for a, b in enumerate(r)) for r in p.rounds)
-    got = predict(topo, PlanOptions(default_link_gen=4))
+    got = predict(topo, TransferOptions(default_link_gen=4))
     want = l40s_by_hand()
     assert {r.payload: r.total_us for r in got.rows} == pytest.approx(
         {k: v[0] for k, v in want.items()}

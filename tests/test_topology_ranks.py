@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from pcie_a2a.topology import load, plan
-from pcie_a2a.topology.ranks import match_ranks, normalise_bus_id, plan_ranks
+from pcie_a2a.topology import load, plan_transfers
+from pcie_a2a.topology.ranks import match_ranks, normalise_bus_id, rank_transfers
 from topology_fixtures import FIXTURES
 
 BROADCOM = "8x-rtxpro6000-dual-epyc9575f-broadcom-pex890xx.topo.txt"
@@ -37,8 +37,8 @@ def test_normalise_bus_id(text, want):
 @pytest.mark.parametrize("name", [BROADCOM, XEON_4090])
 def test_one_rank_per_gpu_follows_the_plan(name):
     t = load(FIXTURES / name)
-    p = plan(t)
-    rp = plan_ranks(t, p, [BUS[g] for g in SHUFFLE])
+    p = plan_transfers(t)
+    rp = rank_transfers(t, p, [BUS[g] for g in SHUFFLE])
     assert rp.gpus == tuple(SHUFFLE) and "bus order" in rp.how
     for s in range(8):
         for d in range(8):
@@ -54,8 +54,8 @@ def test_one_rank_per_gpu_follows_the_plan(name):
 
 def test_staged_pairs_stage_on_the_receivers_node():
     t = load(FIXTURES / XEON_4090)
-    p = plan(t)
-    rp = plan_ranks(t, p, BUS)
+    p = plan_transfers(t)
+    rp = rank_transfers(t, p, BUS)
     staged = [(s, d) for s in range(8) for d in range(8) if rp.pair_transport[s][d] == "staged"]
     assert staged, "this box has staged pairs (SYS)"
     for s, d in staged:
@@ -64,9 +64,9 @@ def test_staged_pairs_stage_on_the_receivers_node():
 
 def test_two_ranks_per_gpu():
     t = load(FIXTURES / L40S)
-    p = plan(t)
+    p = plan_transfers(t)
     ids = [BUS[r // 2] for r in range(8)]  # ranks 0,1 on GPU 0; 2,3 on GPU 1; ...
-    rp = plan_ranks(t, p, ids)
+    rp = rank_transfers(t, p, ids)
     assert rp.gpus == (0, 0, 1, 1, 2, 2, 3, 3)
     assert rp.pair_transport[0][1] == rp.pair_transport[7][6] == "p2p"  # IPC on one GPU
     assert rp.pair_transport[0][7] == p.pair(0, 3).transport
@@ -90,4 +90,4 @@ def test_index_only_topology_needs_every_gpu():
 
 def test_plan_of_another_topology_is_refused():
     with pytest.raises(ValueError, match="the plan has 4 GPUs, the topology 8"):
-        plan_ranks(load(FIXTURES / BROADCOM), plan(load(FIXTURES / L40S)), BUS)
+        rank_transfers(load(FIXTURES / BROADCOM), plan_transfers(load(FIXTURES / L40S)), BUS)

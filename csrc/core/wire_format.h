@@ -6,7 +6,7 @@
 // into the consumer's memory), but on some boxes concurrent writes from one switch to
 // several root complexes collapse while reads do not (research/field_2026.md section 4), so
 // each ordered pair (s -> r) moves its rows by push or by *pull*, as the plan decides
-// (python/pcie_a2a/topology: RankPlan.pair_direction). Flags are never pulled: a flag is
+// (python/pcie_a2a/topology: RankTransfers.pair_direction). Flags are never pulled: a flag is
 // always an 8-byte posted write by its producer into the memory of the one rank that polls it.
 //
 // Regions. Each rank owns one segment (host shared memory for the CPU transport, device

@@ -30,7 +30,7 @@ _LAZY = {
     "Router": ("pcie_a2a.moe", "Router"),
     "Placement": ("pcie_a2a.placement", "Placement"),
     "expert_forward": ("pcie_a2a.reference", "expert_forward"),
-    "plan": ("pcie_a2a.topology", "plan"),
+    "plan_transfers": ("pcie_a2a.topology", "plan_transfers"),
     "cuda_available": ("pcie_a2a._native", "cuda_available"),
     "cuda_unavailable_reason": ("pcie_a2a._native", "cuda_unavailable_reason"),
 }
@@ -44,7 +44,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs only; at run time __getattr__ im
     from pcie_a2a.moe import MoE, Router
     from pcie_a2a.placement import Placement
     from pcie_a2a.reference import expert_forward
-    from pcie_a2a.topology import plan
+    from pcie_a2a.topology import plan_transfers
 
 
 def __getattr__(name: str) -> Any:
@@ -79,5 +79,5 @@ __all__ = [
     "cuda_available",
     "cuda_unavailable_reason",
     "expert_forward",
-    "plan",
+    "plan_transfers",
 ]

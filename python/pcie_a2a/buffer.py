@@ -126,7 +126,7 @@ class Buffer:
             Default: ``PCIE_A2A_TIMEOUT_S`` or 30 s.
         num_topk: largest top-k a call may pass (expert slots per row on the wire).
         pair_direction: ``[world][world]`` of ``"push"``/``"pull"``, sender first (as
-            ``RankPlan.pair_direction``): how the rows of each ordered pair move, in dispatch
+            ``RankTransfers.pair_direction``): how the rows of each ordered pair move, in dispatch
             (token's rank -> expert's rank) and combine (expert's rank -> token's rank).
             Pull runs on both backends (CUDA: P2P pairs; host-staged pairs always push).
             Default (None or empty): the transport decides, the same on every rank: CUDA
@@ -1028,7 +1028,7 @@ def _check_same_config(configs: list[dict]) -> None:
 
 def _check_pair_direction(direction: Any, world: int) -> tuple[tuple[str, ...], ...] | None:
     if direction is None or (isinstance(direction, (list, tuple)) and len(direction) == 0):
-        return None  # auto: the transport decides (RankPlan's "no decision" is empty too)
+        return None  # auto: the transport decides (RankTransfers's "no decision" is empty too)
     rows = [list(r) for r in direction] if isinstance(direction, (list, tuple)) else None
     if rows is None or len(rows) != world or any(len(r) != world for r in rows):
         raise _fail(

@@ -38,7 +38,7 @@
 
 #include "core/allreduce_math.h"
 #include "core/allreduce_wire.h"
-#include "cuda/transport/ptx.cuh"
+#include "cuda/common/ptx.cuh"
 
 namespace pa2a::ar {
 

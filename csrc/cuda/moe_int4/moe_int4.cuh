@@ -90,7 +90,7 @@ struct MoeInt4Args {
 // failed launch; never synchronises.
 void moe_int4_run(const MoeInt4Args& args);
 
-// Dynamic shared memory one GEMM CTA uses (for docs/tests/benchmarks).
+// Dynamic shared memory one GEMM CTA uses (also exported to Python, to check it fits a GPU).
 int gemm_smem_bytes(int block_m);
 
 // ---- internal: one GEMM launch, instantiated in gen/*.cu ------------------------------------

@@ -1,12 +1,18 @@
 // Kernels of the calibration probe; the invariants are in kernels.cuh.
 #include "cuda/probe/kernels.cuh"
 
+#include "cuda/common/ptx.cuh"
 #include "cuda/probe/launch.cuh"
 #include "cuda/probe/pattern.h"
-#include "cuda/probe/ptx.cuh"
 
 namespace pa2a::probe {
 namespace {
+
+// System scope throughout: the other side of every access is another GPU.
+using cuda::globaltimer_ns;
+using cuda::ld_acquire_sys;
+using cuda::ld_relaxed_sys;
+using cuda::st_release_sys;
 
 // Returns false (and records kGateTimeout) when the gate did not open in time.
 __device__ bool wait_gate(const uint32_t* go, uint64_t timeout_ns, uint32_t* error) {

@@ -91,7 +91,7 @@
 #include <cstdint>
 
 #include "core/wire_format.h"
-#include "cuda/transport/ptx.cuh"
+#include "cuda/common/ptx.cuh"
 
 namespace pa2a::cuda {
 
@@ -214,7 +214,7 @@ struct PeerTable {
 // ---- memory-ordering primitives ---------------------------------------------------------
 // System scope for everything another agent writes or reads (another GPU, or the
 // CPU-side memory a GPU polls); GPU scope for what only this GPU's blocks share (the
-// mirrors). The primitives are the inline PTX of cuda/transport/ptx.cuh.
+// mirrors). The primitives are the inline PTX of cuda/common/ptx.cuh.
 
 // Where the kernels record problems: the host-mapped error word (its device pointer) and
 // its echo in this GPU's memory, DeviceState::timed_out (passed by value, like the context).

@@ -6,7 +6,7 @@
 // pdl: programmatic dependent launch (cudaLaunchAttributeProgrammaticStreamSerialization,
 // sm_90 and newer; the caller decides from the device). The kernel may then be scheduled
 // while the previous kernel of the stream is still running; every transport kernel calls
-// griddep_wait() (ptx.cuh) before it touches memory, so only the launch latency overlaps.
+// griddep_wait() (common/ptx.cuh) before it touches memory, so only the launch latency overlaps.
 // pdl false: exactly `kernel<<<grid, block, smem, stream>>>(args...)`.
 #pragma once
 

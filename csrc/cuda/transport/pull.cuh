@@ -7,7 +7,7 @@
 // concurrent posted writes from the GPUs of one switch to GPUs behind two or more root
 // complexes collapse (36.8 -> 2.7 GB/s for two flows on the ESC8000A-E13P) while reads of
 // the same pattern run at full speed (51.1 GB/s): research/field_2026.md section 4. For
-// such pairs the planner chooses pull (topology RankPlan.pair_direction): the bulk bytes
+// such pairs the planner chooses pull (topology RankTransfers.pair_direction): the bulk bytes
 // cross PCIe as the receiver's SM loads (non-posted reads, the fast direction there) and
 // only two 8-byte flags per call are written across.
 //

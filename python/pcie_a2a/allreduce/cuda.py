@@ -58,19 +58,21 @@ def device_uuid(index: int) -> str:
 def topology_decisions(bus_ids: list[str | None], world: int) -> dec.PairDecisions:
     """The planner's per-pair decisions for these ranks (PCIE_A2A_TOPO_FILE or the live
     machine, with its probe record when there is one), or all push when there is no plan."""
-    from pcie_a2a.topology import PlanOptions, TopologyError, plan
-    from pcie_a2a.topology.ranks import plan_ranks
+    from pcie_a2a.topology import TopologyError, TransferOptions, plan_transfers
+    from pcie_a2a.topology.ranks import rank_transfers
     from pcie_a2a.topology.sources import current_with_probe
 
     if None in bus_ids:
         return dec.all_push(world, "no topology plan: torch does not report PCI addresses")
     try:
         topo, probe = current_with_probe()
-        p = plan(topo, options=PlanOptions.from_env(probe=probe))
-        rp = plan_ranks(topo, p, bus_ids)
+        p = plan_transfers(topo, options=TransferOptions.from_env(probe=probe))
+        rp = rank_transfers(topo, p, bus_ids)
     except (TopologyError, ValueError, OSError) as exc:
         return dec.all_push(world, f"no topology plan ({exc}): every pair pushes")
-    return dec.from_rank_plan(rp, p, f"topology plan from {topo.source}, ranks matched {rp.how}")
+    return dec.from_rank_transfers(
+        rp, p, f"topology plan from {topo.source}, ranks matched {rp.how}"
+    )
 
 
 def _peer_row(rank: int, uuids: list[str], visible: list[str], can_access) -> list[bool]:

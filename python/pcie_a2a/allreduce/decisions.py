@@ -1,5 +1,5 @@
 """Per rank pair: how the all-reduce moves data (push or pull) and whether P2P works at all,
-read from the topology planner's decisions through one function, :func:`from_rank_plan`.
+read from the topology planner's decisions through one function, :func:`from_rank_transfers`.
 
 The planner (:mod:`pcie_a2a.topology.ranks`, fed by ``pcie-a2a probe`` when a record
 exists) decides per ordered pair the path (P2P or host-staged) and the direction. The
@@ -74,9 +74,9 @@ def explicit(direction: list[list[str]], source: str = "explicit pair_direction"
     return PairDecisions(tuple(tuple(r) for r in direction), base.path, (), None, source)
 
 
-def from_rank_plan(rank_plan: Any, plan: Any, note: str) -> PairDecisions:
-    """The decisions for the ranks of ``rank_plan`` (:class:`pcie_a2a.topology.ranks.RankPlan`,
-    with ``plan`` the :class:`pcie_a2a.topology.Plan` it came from). Directions come from
+def from_rank_transfers(rank_plan: Any, plan: Any, note: str) -> PairDecisions:
+    """The decisions for the ranks of ``rank_plan`` (:class:`pcie_a2a.topology.ranks.RankTransfers`,
+    with ``plan`` the :class:`pcie_a2a.topology.TransferPlan` it came from). Directions come from
     ``rank_plan.pair_direction`` where the planner provides it (push otherwise); measured
     per-pair numbers only when every pair of the group was measured by a probe."""
     gpus = list(rank_plan.gpus)

@@ -16,7 +16,7 @@ import sys
 
 import numpy as np
 
-from ..topology import PlanOptions, TopologyError
+from ..topology import TopologyError, TransferOptions
 from ..topology.sources import current, load
 from . import io
 from .algorithm import Options, balance
@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--ranks: got {len(ranks)} GPUs; allowed: one per rank ({world})")
         if ranks is None and world != topo.num_gpus:
             raise ValueError(f"--world {world} with {topo.num_gpus} GPUs: pass --ranks")
-        islands = Islands.from_topology(topo, ranks, PlanOptions.from_env())
+        islands = Islands.from_topology(topo, ranks, TransferOptions.from_env())
         layers = parse_list(args.layers, loads.shape[0], "layers")
         cost = (
             GemmCost.from_bench_json(args.gemm_json)

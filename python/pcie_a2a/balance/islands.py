@@ -24,7 +24,7 @@ import numpy as np
 
 from ..topology.estimates import LINK_X16_GBPS, SOCKET_LINK_GBPS
 from ..topology.model import RootPort, Topology
-from ..topology.planner import Plan, PlanOptions, plan
+from ..topology.planner import TransferOptions, TransferPlan, plan_transfers
 
 SOCKET_LINK = "socket"  # prefix of socket-link ids (the planner's "socket{a}->{b}")
 _UPLINK_GBPS = LINK_X16_GBPS[5]  # a Gen5 x16 switch uplink, per direction
@@ -48,7 +48,7 @@ class Islands:
     pair_links: tuple[tuple[tuple[str, ...], ...], ...]  # [src][dst] link ids
     link_gbps: tuple[tuple[str, float], ...]  # (link id, GB/s per direction)
     name: str = ""
-    plan: Plan | None = field(default=None, compare=False, repr=False)
+    plan: TransferPlan | None = field(default=None, compare=False, repr=False)
     gpus: tuple[int, ...] = ()  # topology GPU of each rank (from_topology)
 
     def __post_init__(self) -> None:
@@ -104,8 +104,8 @@ class Islands:
     def from_topology(
         topo: Topology,
         ranks: Sequence[int] | None = None,
-        options: PlanOptions | None = None,
-        the_plan: Plan | None = None,
+        options: TransferOptions | None = None,
+        the_plan: TransferPlan | None = None,
     ) -> Islands:
         """Islands of ``topo`` with rank ``i`` on GPU ``ranks[i]`` (default GPU ``i``), the
         links of the transfer plan (``the_plan``, else planned here with ``options``)."""
@@ -113,7 +113,11 @@ class Islands:
         for g in gpus:
             if not 0 <= g < topo.num_gpus:
                 raise ValueError(f"ranks: GPU {g} is not in the topology (0..{topo.num_gpus - 1})")
-        p = the_plan if the_plan is not None else plan(topo, (), options or PlanOptions())
+        p = (
+            the_plan
+            if the_plan is not None
+            else plan_transfers(topo, (), options or TransferOptions())
+        )
         paths = []
         for g in gpus:
             gpu = topo.gpus[g]

@@ -299,12 +299,12 @@ def main(args: argparse.Namespace) -> int:
     results, errors = [], []
     for world in cfg["worlds"]:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if torchrun else world
-        plan = device.device_plan(cfg["backend"], local_world)
+        spec = device.run_spec_here(cfg["backend"], local_world)
         wcfg = cfg | {
-            "pg_backend": plan.pg_backend,
-            "device_count": plan.device_count,
+            "pg_backend": spec.pg_backend,
+            "device_count": spec.device_count,
             "local_world": local_world,
-            "baselines_na": plan.baselines_na,
+            "baselines_na": spec.baselines_na,
         }
         try:
             raw = runner.run(wcfg, world)

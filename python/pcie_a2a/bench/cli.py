@@ -229,12 +229,12 @@ def main(args: argparse.Namespace) -> int:
     cfg = resolve(args, world)
     # ranks on this machine: the GPUs they share are this machine's
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if torchrun else world
-    plan = device.device_plan(args.backend, local_world)
+    spec = device.run_spec_here(args.backend, local_world)
     cfg |= {
-        "pg_backend": plan.pg_backend,
-        "device_count": plan.device_count,
+        "pg_backend": spec.pg_backend,
+        "device_count": spec.device_count,
         "local_world": local_world,
-        "baselines_na": plan.baselines_na,
+        "baselines_na": spec.baselines_na,
     }
     js, png = report.outputs(args)
     error = None

@@ -27,7 +27,7 @@ BACKENDS = ("cpu", "cuda")
 
 
 @dataclass(frozen=True)
-class Plan:
+class DeviceRunSpec:
     backend: str  # "cpu" | "cuda": the pcie_a2a transport
     pg_backend: str  # "gloo" | "nccl": the torch.distributed group
     device_count: int  # GPUs visible to torch (0 for cpu)
@@ -40,19 +40,21 @@ def na_reason(local_world: int, device_count: int) -> str:
     return f"n/a: NCCL needs one GPU per rank; {local_world} ranks share {gpus}"
 
 
-def plan(backend: str, device_count: int, local_world: int) -> Plan:
+def run_spec(backend: str, device_count: int, local_world: int) -> DeviceRunSpec:
     """The process-group backend and whether the baselines can run."""
     if backend not in BACKENDS:
         raise ValueError(f"backend: got {backend!r}; allowed: {', '.join(BACKENDS)}")
     if local_world < 1:
         raise ValueError(f"local_world: got {local_world}; allowed: a positive int")
     if backend == "cpu":
-        return Plan("cpu", "gloo", device_count, local_world, None)
+        return DeviceRunSpec("cpu", "gloo", device_count, local_world, None)
     if device_count < 1:
         raise ValueError(f"device_count: got {device_count}; allowed: >= 1 with backend cuda")
     if device_count >= local_world:
-        return Plan("cuda", "nccl", device_count, local_world, None)
-    return Plan("cuda", "gloo", device_count, local_world, na_reason(local_world, device_count))
+        return DeviceRunSpec("cuda", "nccl", device_count, local_world, None)
+    return DeviceRunSpec(
+        "cuda", "gloo", device_count, local_world, na_reason(local_world, device_count)
+    )
 
 
 def rank_device(local_rank: int, device_count: int) -> int:
@@ -114,11 +116,11 @@ def gpu_info() -> dict:
     }
 
 
-def device_plan(backend: str, local_world: int) -> Plan:
+def run_spec_here(backend: str, local_world: int) -> DeviceRunSpec:
     """Where the ranks run; exits 2 with one line when ``--backend cuda`` cannot run here
     (checked after the other options, so a bad option is reported first)."""
     if backend == "cpu":
-        return plan("cpu", 0, local_world)
+        return run_spec("cpu", 0, local_world)
     why = cuda_unusable()
     if why:  # one line, no traceback: the usual answer on a box without a GPU
         print(
@@ -129,4 +131,4 @@ def device_plan(backend: str, local_world: int) -> Plan:
         raise SystemExit(2)
     import torch
 
-    return plan("cuda", torch.cuda.device_count(), local_world)
+    return run_spec("cuda", torch.cuda.device_count(), local_world)

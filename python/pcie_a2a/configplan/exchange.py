@@ -1,7 +1,7 @@
 """Expert-parallel exchanges per MoE layer: all-gather + reduce-scatter, NCCL all-to-all,
 and pcie_a2a dispatch + combine, plus the pair numbers pipeline sends use.
 
-pcie_a2a is predicted by the topology planner (:func:`pcie_a2a.topology.plan`): it decides
+pcie_a2a is predicted by the topology planner (:func:`pcie_a2a.topology.plan_transfers`): it decides
 every pair (P2P or host-staged, from the topology and any probe), schedules the rounds, and
 gives the time of an exchange from per-pair bandwidth and latency and the load on shared
 links. The traffic it is given: each rank's tokens go once to each rank holding one of
@@ -16,7 +16,14 @@ import math
 from dataclasses import dataclass, field
 
 from pcie_a2a.buffer_memory import row_bytes  # the wire format's slots, the one formula
-from pcie_a2a.topology import Plan, PlanOptions, Topology, Traffic, plan, with_reports
+from pcie_a2a.topology import (
+    Topology,
+    Traffic,
+    TransferOptions,
+    TransferPlan,
+    plan_transfers,
+    with_reports,
+)
 
 from . import comm as cm
 from .configs import Config
@@ -33,17 +40,17 @@ class Exchanges:
     topology: Topology
     measured: Measured
     link_gen: int
-    _plan: Plan | None = None
+    _plan: TransferPlan | None = None
     _cache: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
     @property
-    def topo_plan(self) -> Plan:
+    def topo_plan(self) -> TransferPlan:
         if self._plan is None:
-            self._plan = plan(
+            self._plan = plan_transfers(
                 self.topology,
                 (),
-                PlanOptions(probe=self.measured.probe, default_link_gen=self.link_gen),
+                TransferOptions(probe=self.measured.probe, default_link_gen=self.link_gen),
             )
         return self._plan
 

@@ -136,7 +136,7 @@ class MoE(nn.Module):
         self.dtype = experts.dtype
         self.mode = mode
         self.sync_num_tokens = bool(sync_num_tokens)
-        self.last_mode: str | None = None  # the mode of the latest forward (for tests/logs)
+        self.last_mode: str | None = None  # the mode of the latest forward (for tests and logs)
         self._owns_buffer = False
         self.buffer: Buffer | None = None
         if local or (buffer is None and not (dist.is_available() and dist.is_initialized())):

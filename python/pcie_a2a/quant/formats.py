@@ -427,7 +427,7 @@ def dequantize_compressed_tensors(
 
 
 def to_gptq(w: Int4Weights, *, checkpoint_format: str = "gptq") -> dict[str, torch.Tensor]:
-    """Inverse of :func:`from_gptq` (for tests/benchmarks): the on-disk GPTQ tensors."""
+    """Inverse of :func:`from_gptq` (for tests and benchmarks): the on-disk GPTQ tensors."""
     w.validate()
     if w.k % 8 or w.n % 8:
         raise ValueError(f"GPTQ needs N and K multiples of 8, got N={w.n} K={w.k}")

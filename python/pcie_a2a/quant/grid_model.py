@@ -6,15 +6,12 @@ share of DRAM bandwidth, what its cp.async pipeline keeps in flight over the mem
 latency, and what its SM can issue (instructions per k-tile from the compiled SASS, see
 scripts/sass_report.py); plus fixed costs per call (launch gaps, zeroing and finalise
 traffic). What it is for: seeing tails, idle SMs and fixed costs before a GPU run, and
-pinning the decisions that remove them (tests/test_quant_grid_model.py). The benchmark
+pinning the decisions that remove them. The benchmark
 (benchmarks/bench_moe_gemm.py) measures the real numbers.
 
-``policy="new"`` is the kernel in this tree: block_m 16 unless the caller estimates >= 48
+The kernel it models is the one in this tree: block_m 16 unless the caller estimates >= 48
 rows per expert, stream-K over every CTA for both GEMMs, zeroing and finalise of the rows
 that have a local expert only, programmatic dependent launch on sm_90/120.
-``policy="old"`` is the kernel before issue 12 (for the before/after table): block_m from
-the buffer bound, whole-number split-K only while items <= grid / 2 and gate/up only at
-block_m 16, a memset and a cast of the whole [R, H] fp32 accumulator, 7 device operations.
 
 ``python -m pcie_a2a.quant.grid_model`` prints the decode table for every target GPU.
 Pure Python (no torch), so scripts can load it by path.
@@ -40,19 +37,16 @@ WS_SLOTS_PER_SM = {16: 4, 64: 2}  # python/pcie_a2a/quant/moe.py
 BLOCK_M_64_MIN_ROWS = 48  # python/pcie_a2a/quant/moe.py
 HMMA_PER_K_TILE = {16: 32, 64: 128}  # m16n8k16 per warp and 64-deep k-tile
 
-# Instructions per warp per 64-deep k-tile of the main loop, registers (new: the largest
+# Instructions per warp per 64-deep k-tile of the main loop, and registers: the largest
 # over dtype, zero points and group of each block_m on any arch, from
-# scripts/sass_report.py; the SASS test checks the compiled code stays within these).
-NEW_INSTR_PER_K_TILE = {16: 440, 64: 600}
-NEW_REGS = {16: 128, 64: 255}
-OLD_INSTR_PER_K_TILE = {16: 940, 64: 1400}  # the review's count (issue 12) and scaled
-OLD_REGS = {16: 128, 64: 251}  # old SASS: 119-128, 240-251
+# scripts/sass_report.py (the compiled code is checked to stay within these).
+INSTR_PER_K_TILE = {16: 440, 64: 600}
+REGS = {16: 128, 64: 255}
 # Async copies (cp.async) per thread and k-tile: activation chunks, 4 weight rows, 1 scale
 # (or zero point) row; scripts/sass_report.py --check counts them in the compiled loop.
 COPIES_PER_K_TILE = {bm: bm * 8 // THREADS + BLOCK_K // 16 + 1 for bm in (16, 64)}
 # Fixed cost of one GEMM launch, from the compiled code (scripts/sass_report.py reports
-# them per instantiation; tests/test_moe_int4_sass.py checks the compiled kernels stay
-# within these): the static instructions from the entry to the first weight copy (also the
+# them per instantiation, and the compiled kernels are checked to stay within these): the static instructions from the entry to the first weight copy (also the
 # --check budget), the chain of dependent global loads that copy's address waits for
 # (num_tiles -> the tile's expert: 2; the report's count is an upper bound, 3 on some), and the tails' serial round trips (the ticket RMW with
 # release/acquire, then the re-read of the sums or of the accumulator row).
@@ -186,7 +180,7 @@ def _pad(v: int, m: int) -> int:
 
 
 @dataclass
-class GemmPlan:
+class GemmGrid:
     items: int
     k_tiles: int
     ctas: int
@@ -203,8 +197,8 @@ class Prediction:
     active_experts: int
     rows_per_expert: int
     block_m: int
-    gate_up: GemmPlan
-    down: GemmPlan
+    gate_up: GemmGrid
+    down: GemmGrid
     floor_us: float
     fixed_us: float
     time_us: float
@@ -236,36 +230,19 @@ def _gemm(
     tiles: int,
     n: int,
     k: int,
-    policy: str,
     needs_ws: bool,
-    split_ok: bool,
     unit_bytes: int,
-) -> GemmPlan:
+) -> GemmGrid:
     n_blocks = _pad(n, BLOCK_N) // BLOCK_N
     k_tiles = _pad(k, BLOCK_K) // BLOCK_K
     items = tiles * n_blocks
     slots = gpu.sms * per_sm
-    loads: list[int] = []
-    if policy == "new":
-        grid = min(slots, WS_SLOTS_PER_SM[block_m] * gpu.sms) if needs_ws else slots
-        pt = make_partition(items, k_tiles, grid, True)
-        for b in range(pt.ctas):
-            loads.append(pt.begin(b + 1) - pt.begin(b))
-        parts = [pt.owner((i + 1) * k_tiles - 1) - pt.owner(i * k_tiles) + 1 for i in range(items)]
-        ctas = pt.ctas
-    else:  # whole-number split only while items <= grid / 2 (and a workspace exists)
-        s = 1
-        if split_ok and items > 0:
-            s = max(1, min(slots // items, 16, k_tiles // MIN_PART_K_TILES))
-        work = items * s
-        ctas = min(slots, work)
-        per_part = [(p + 1) * k_tiles // s - p * k_tiles // s for p in range(s)]
-        loads = [0] * ctas
-        for w in range(work):
-            loads[w % ctas] += per_part[w % s]
-        parts = [s] * items
+    grid = min(slots, WS_SLOTS_PER_SM[block_m] * gpu.sms) if needs_ws else slots
+    pt = make_partition(items, k_tiles, grid, True)
+    loads = [pt.begin(b + 1) - pt.begin(b) for b in range(pt.ctas)]
+    parts = [pt.owner((i + 1) * k_tiles - 1) - pt.owner(i * k_tiles) + 1 for i in range(items)]
     busy = [x for x in loads if x > 0]
-    plan = GemmPlan(
+    plan = GemmGrid(
         items=items,
         k_tiles=k_tiles,
         ctas=len(busy),
@@ -299,59 +276,61 @@ def schedule_us(gpu: Gpu, experts: int) -> float:
     )
 
 
+LAYOUTS = ("low_latency", "normal")
+L2_PREFETCH_NOTE = "down weights prefetched into L2 across the launch gap"
+
+
+def launch_us(gpu: Gpu) -> float:
+    """The gap one launch adds: programmatic dependent launch (sm_90 and newer) hides most
+    of it; sm_89 pays the whole gap."""
+    return 2.5 if gpu.arch == "sm_89" else 1.0
+
+
 def predict(
     gpu_name: str,
     active_experts: int,
     rows_per_expert: int,
     *,
     shape: Shape = Shape(),
-    policy: str = "new",
     layout: str = "low_latency",
 ) -> Prediction:
     """One decode step of one rank: ``active_experts`` experts with ``rows_per_expert``
     rows each, in the low-latency rows layout (``shape.ll_rows`` rows, mostly -1 slots) or
     the normal layout (only routed rows)."""
+    if gpu_name not in GPUS:
+        raise ValueError(f"gpu_name: got {gpu_name!r}; allowed: {', '.join(sorted(GPUS))}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout: got {layout!r}; allowed: {', '.join(LAYOUTS)}")
+    for name, v in (("active_experts", active_experts), ("rows_per_expert", rows_per_expert)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}: got {v!r}; allowed: an int >= 1")
     gpu = GPUS[gpu_name]
     arch = ARCHS[gpu.arch]
     pairs = active_experts * rows_per_expert
-    if layout == "low_latency":
-        rows = shape.ll_rows
-        pair_bound = rows * shape.topk
-    else:
-        rows = max(1, pairs)  # at most one pair per row here (a bound for the costs)
-        pair_bound = rows * shape.topk
+    # at most one pair per row in the normal layout (a bound for the costs)
+    rows = shape.ll_rows if layout == "low_latency" else pairs
     notes: list[str] = []
-    if policy == "new":
-        bm = 16  # choose_block_m: no estimate from the layer at decode
-        instr, regs = NEW_INSTR_PER_K_TILE[bm], NEW_REGS[bm]
-    else:
-        bm = 16 if pair_bound <= 16 * shape.local_experts else 64
-        instr, regs = OLD_INSTR_PER_K_TILE[bm], OLD_REGS[bm]
+    bm = 16  # choose_block_m: no estimate from the layer at decode
+    instr, regs = INSTR_PER_K_TILE[bm], REGS[bm]
     per_sm = max(1, ctas_per_sm(arch, bm, regs))
     tiles = active_experts * -(-rows_per_expert // bm)
     h, i = shape.hidden, shape.intermediate
     scale_bytes = 2 * BLOCK_N * 2 if shape.group == 32 else BLOCK_N * 2
     unit = B_STAGE_BYTES + scale_bytes
-    gu = _gemm(gpu, per_sm, bm, instr, tiles, 2 * i, h, policy, True, bm == 16, unit)
-    dn = _gemm(gpu, per_sm, bm, instr, tiles, h, i, policy, False, True, unit)
+    gu = _gemm(gpu, per_sm, bm, instr, tiles, 2 * i, h, True, unit)
+    dn = _gemm(gpu, per_sm, bm, instr, tiles, h, i, False, unit)
     bw = gpu.bw_gbs * 1e3  # bytes per microsecond
     floor = active_experts * (shape.w_bytes(2 * i, h) + shape.w_bytes(h, i)) / bw
     active_rows = min(rows, pairs)
-    if policy == "new":
-        launch = 1.0 if gpu.arch != "sm_89" else 2.5  # PDL hides most of the gap
-        fixed = LAUNCHES * launch + schedule_us(gpu, shape.local_experts) + 2 * gemm_fixed_us(gpu)
-        fixed += active_rows * h * (4 + 4 + 2) / bw  # zero, finalise r/w
-        # The gate/up CTAs prefetch the down weights into L2 as they finish: the gap to the
-        # down GEMM's first copies (launch, prologue) streams them, if they fit.
-        down_bytes = active_experts * shape.w_bytes(h, i)
-        if down_bytes <= gpu.l2_mb * 2**20 / 2:
-            fixed -= min(launch + gemm_fixed_us(gpu), dn.time_us)
-            notes.append("down weights prefetched into L2 across the launch gap")
-    else:
-        launch = 2.5
-        ws = 2 * gpu.sms * 16 * 256 * 4 if bm == 16 else 0
-        fixed = 7 * launch + rows * h * (4 + 4 + 2) / bw + ws / bw
-        notes.append(f"memset + cast of {rows} accumulator rows")
+    launch = launch_us(gpu)
+    fixed = LAUNCHES * launch + schedule_us(gpu, shape.local_experts) + 2 * gemm_fixed_us(gpu)
+    fixed += active_rows * h * (4 + 4 + 2) / bw  # zero, finalise r/w
+    # The gate/up CTAs prefetch the down weights into L2 as they finish: the gap to the
+    # down GEMM's first copies (launch, prologue) streams them, if they fit.
+    down_bytes = active_experts * shape.w_bytes(h, i)
+    if down_bytes <= gpu.l2_mb * 2**20 / 2:
+        fixed -= min(launch + gemm_fixed_us(gpu), dn.time_us)
+        notes.append(L2_PREFETCH_NOTE)
     total = gu.time_us + dn.time_us + fixed
     return Prediction(
         gpu_name, active_experts, rows_per_expert, bm, gu, dn, floor, fixed, total, notes
@@ -362,16 +341,16 @@ DECODE_ACTIVE = (1, 2, 4, 8, 12, 16, 17, 24, 32, 48)
 DECODE_ROWS = (1, 2, 4, 8, 16)
 
 
-def table(policy: str = "new", gpus=None, rows=(1, 4, 16)) -> str:
+def table(gpus=None, rows=(1, 4, 16)) -> str:
     out = [
-        f"policy={policy}: gpu, active experts, rows/expert -> block_m, items (gate/up, down),"
+        "gpu, active experts, rows/expert -> block_m, items (gate/up, down),"
         " CTAs, k-tiles per CTA max/min, max parts per item, fixed us, floor us, predicted us,"
         " fraction of floor"
     ]
     for g in gpus or GPUS:
         for a in DECODE_ACTIVE:
             for m in rows:
-                p = predict(g, a, m, policy=policy)
+                p = predict(g, a, m)
                 gu, dn = p.gate_up, p.down
                 out.append(
                     f"{g:12s} A={a:2d} m={m:2d} bm={p.block_m:2d} items={gu.items:4d}/{dn.items:4d}"
@@ -385,13 +364,11 @@ def table(policy: str = "new", gpus=None, rows=(1, 4, 16)) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--policy", choices=("new", "old", "both"), default="both")
     ap.add_argument("--gpu", action="append", choices=sorted(GPUS))
     ap.add_argument("--rows", type=int, action="append", help="rows per expert (default 1 4 16)")
     args = ap.parse_args(argv)
     rows = tuple(args.rows) if args.rows else (1, 4, 16)
-    for pol in ("old", "new") if args.policy == "both" else (args.policy,):
-        print(table(pol, args.gpu, rows))
+    print(table(args.gpu, rows))
     return 0
 
 

@@ -3,9 +3,9 @@ the phased send schedule), the calibration probe's records, predictions and NUMA
 staging memory.
 
 topo, probe = pcie_a2a.topology.current_with_probe()   # or load("box.topo.txt"), discover()
-p = pcie_a2a.topology.plan(topo, kimi_k2_decode(8), PlanOptions.from_env(probe=probe))
+p = pcie_a2a.topology.plan_transfers(topo, kimi_k2_decode(8), TransferOptions.from_env(probe=probe))
 print(format_plan(p))
-print(format_predictions([predict(topo, PlanOptions.from_env(probe=probe))]))
+print(format_predictions([predict(topo, TransferOptions.from_env(probe=probe))]))
 """
 
 from __future__ import annotations
@@ -18,15 +18,15 @@ from .nvidia_smi import parse_p2p_matrix, parse_topo
 from .p2p_bandwidth import parse_p2p_test
 from .planner import (
     Link,
-    PairPlan,
-    Plan,
-    PlanOptions,
+    PairRoute,
     Traffic,
     TrafficReport,
+    TransferOptions,
+    TransferPlan,
     decisions_dict,
     expected_distinct_ranks,
     kimi_k2_decode,
-    plan,
+    plan_transfers,
     with_reports,
 )
 from .predict import BoxPrediction, Prediction, format_predictions, predict
@@ -52,10 +52,8 @@ __all__ = [
     "NumaNode",
     "P2PStatus",
     "PairMeasurement",
-    "PairPlan",
+    "PairRoute",
     "PatternMeasurement",
-    "Plan",
-    "PlanOptions",
     "Prediction",
     "Probe",
     "ProbeGateError",
@@ -66,6 +64,8 @@ __all__ = [
     "TopologyError",
     "Traffic",
     "TrafficReport",
+    "TransferOptions",
+    "TransferPlan",
     "alloc_staging",
     "class_rank",
     "cuda_peer_matrix",
@@ -86,7 +86,7 @@ __all__ = [
     "parse_p2p_test",
     "parse_topo",
     "parse_xml",
-    "plan",
+    "plan_transfers",
     "predict",
     "with_reports",
     "with_vendor_hints",

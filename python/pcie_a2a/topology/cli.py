@@ -11,7 +11,7 @@ import sys
 from .. import env
 from .errors import TopologyError
 from .live import discover
-from .planner import PlanOptions, expected_distinct_ranks, kimi_k2_decode, plan
+from .planner import TransferOptions, expected_distinct_ranks, kimi_k2_decode, plan_transfers
 from .predict import PAYLOADS, format_predictions, predict
 from .probe import ProbeGateError, ProbeUnavailable
 from .render import format_plan, format_tree
@@ -113,11 +113,11 @@ def run(args: argparse.Namespace) -> int:
         # the command line (--probe, --probe-file) take precedence.
         probe = probe or measured
         topo = with_vendor_hints(topo, args.cpu_vendor, args.switch_vendor)
-        options = PlanOptions.from_env(probe=probe, default_link_gen=args.link_gen)
+        options = TransferOptions.from_env(probe=probe, default_link_gen=args.link_gen)
         n = topo.num_gpus
         kimi = n >= 2 and 384 % n == 0
         traffic = kimi_k2_decode(n, args.tokens, args.payload) if kimi else ()
-        result = plan(topo, traffic, options)
+        result = plan_transfers(topo, traffic, options)
         if args.predict:
             if not kimi:
                 return _fail(

@@ -26,7 +26,7 @@ Then per pair the direction (push or pull) and the engine (SM or copy engine):
 pushing flows on one destination root complex per round (the posted-write collapse
 trigger, :mod:`.roots`), then spreads the load on shared links.
 
-:func:`plan` is pure: the environment is read only by :meth:`PlanOptions.from_env`.
+:func:`plan_transfers` is pure: the environment is read only by :meth:`TransferOptions.from_env`.
 """
 
 from __future__ import annotations
@@ -64,11 +64,11 @@ VERSION = 2
 READABLE_VERSIONS = (1, 2)
 P2P = "p2p"
 STAGED = "staged"
-SPREAD = "spread"  # PlanOptions.schedule: ignore the collapse trigger
+SPREAD = "spread"  # TransferOptions.schedule: ignore the collapse trigger
 
 
 @dataclass(frozen=True)
-class PlanOptions:
+class TransferOptions:
     p2p: bool | None = None  # force P2P on/off for every pair the driver allows
     p2p_level: str | None = None  # farthest class allowed for P2P (NV, PIX, PXB, PHB, NODE, SYS)
     default_link_gen: int = 4  # PCIe generation assumed where the source does not say
@@ -96,10 +96,10 @@ class PlanOptions:
                 raise ValueError(f"{name}={v!r}: expected None or one of {', '.join(allowed)}")
 
     @staticmethod
-    def from_env(probe: Probe | None = None, default_link_gen: int = 4) -> PlanOptions:
+    def from_env(probe: Probe | None = None, default_link_gen: int = 4) -> TransferOptions:
         """Options with PCIE_A2A_P2P, PCIE_A2A_P2P_LEVEL, PCIE_A2A_DIRECTION,
         PCIE_A2A_ENGINE, PCIE_A2A_SCHEDULE and PCIE_A2A_PAIRS applied."""
-        return PlanOptions(
+        return TransferOptions(
             p2p=env.p2p(),
             p2p_level=env.p2p_level(),
             default_link_gen=default_link_gen,
@@ -173,7 +173,7 @@ def kimi_k2_decode(
 
 
 @dataclass(frozen=True)
-class PairPlan:
+class PairRoute:
     src: int
     dst: int
     path_class: str
@@ -214,10 +214,10 @@ class TrafficReport:
 
 
 @dataclass(frozen=True)
-class Plan:
+class TransferPlan:
     source: str
     num_gpus: int
-    pairs: tuple[PairPlan, ...]  # every ordered pair, row-major
+    pairs: tuple[PairRoute, ...]  # every ordered pair, row-major
     links: tuple[Link, ...]
     rounds: tuple[tuple[int, ...], ...]  # rounds[r][src] = dst
     round_loads: tuple[tuple[tuple[str, int], ...], ...]  # busiest shared links per round
@@ -231,7 +231,7 @@ class Plan:
     schedule_reason: str = ""
     collapse_factors: tuple[tuple[str, float, str], ...] = ()  # (switch, factor, basis)
 
-    def pair(self, src: int, dst: int) -> PairPlan:
+    def pair(self, src: int, dst: int) -> PairRoute:
         n = self.num_gpus
         if not (0 <= src < n and 0 <= dst < n) or src == dst:
             raise ValueError(f"pair ({src}, {dst}): expected two different GPUs in 0..{n - 1}")
@@ -247,15 +247,15 @@ class Plan:
         return json.dumps(d, indent=1) + "\n"
 
     @staticmethod
-    def from_json(text: str, source: str = "<plan>") -> Plan:
+    def from_json(text: str, source: str = "<plan>") -> TransferPlan:
         try:
             d = json.loads(text)
             if d.pop("format") != FORMAT or d.pop("version") not in READABLE_VERSIONS:
                 raise ValueError(f"expected format {FORMAT!r} version 1 or 2")
-            return Plan(
+            return TransferPlan(
                 source=d["source"],
                 num_gpus=d["num_gpus"],
-                pairs=tuple(PairPlan(**{**p, "links": tuple(p["links"])}) for p in d["pairs"]),
+                pairs=tuple(PairRoute(**{**p, "links": tuple(p["links"])}) for p in d["pairs"]),
                 links=tuple(Link(**lk) for lk in d["links"]),
                 rounds=tuple(tuple(r) for r in d["rounds"]),
                 round_loads=tuple(tuple((a, b) for a, b in r) for r in d["round_loads"]),
@@ -354,7 +354,7 @@ class _Fabric:
 # ---- per-pair decision ------------------------------------------------------------------
 
 
-def _decide(topo: Topology, a: int, b: int, opt: PlanOptions, gen: int) -> tuple[str, str]:
+def _decide(topo: Topology, a: int, b: int, opt: TransferOptions, gen: int) -> tuple[str, str]:
     cls, st = topo.classes[a][b], topo.p2p[a][b]
     m = opt.probe.get(a, b) if opt.probe else None
     forced = override_for(opt.pair_overrides, a, b, "path")
@@ -401,7 +401,7 @@ def _decide(topo: Topology, a: int, b: int, opt: PlanOptions, gen: int) -> tuple
 
 
 def _decide_unknown_path(
-    st: P2PStatus, m: PairMeasurement | None, opt: PlanOptions, gen: int
+    st: P2PStatus, m: PairMeasurement | None, opt: TransferOptions, gen: int
 ) -> tuple[str, str]:
     """Rules 4-6 for a pair whose path class the source does not show: only the P2P status
     and the measurements are left to decide on, and the reason says so."""
@@ -432,7 +432,7 @@ def _estimate(
     transport: str,
     direction: str,
     engine: str,
-    opt: PlanOptions,
+    opt: TransferOptions,
     gen: int,
 ) -> tuple[float, float, str]:
     """(GB/s, µs, where from) for pair a -> b moved as decided. A pull's latency is the
@@ -579,7 +579,7 @@ def _round_trigger_switches(
 
 
 def _push_triggers(
-    pairs: dict[tuple[int, int], PairPlan],
+    pairs: dict[tuple[int, int], PairRoute],
 ) -> dict[tuple[int, int], tuple[str, str]]:
     return {
         k: (p.trigger_switch, p.trigger_root)
@@ -593,7 +593,7 @@ def _push_triggers(
 
 def _report(
     traffic: Traffic,
-    pairs: dict[tuple[int, int], PairPlan],
+    pairs: dict[tuple[int, int], PairRoute],
     links: dict[str, Link],
     rounds,
     collapse: dict[str, float],
@@ -635,24 +635,24 @@ def _report(
     )
 
 
-def plan(
+def plan_transfers(
     topology: Topology,
     traffic: Traffic | Sequence[Traffic] | None = None,
-    options: PlanOptions | None = None,
-) -> Plan:
+    options: TransferOptions | None = None,
+) -> TransferPlan:
     """Plan every ordered pair of `topology` (path, direction, engine, each with its
     reason), the send schedule, and (for each traffic matrix given) the bottleneck link and
     predicted exchange time. Pure: same inputs, same plan; the environment is not read (use
-    PlanOptions.from_env()). A probe is matched to the topology's GPUs by bus id
+    TransferOptions.from_env()). A probe is matched to the topology's GPUs by bus id
     (:meth:`Probe.aligned_to`)."""
-    opt = options or PlanOptions()
+    opt = options or TransferOptions()
     topo = topology
     if opt.probe is not None:
         opt = replace(opt, probe=opt.probe.aligned_to([g.bus_id for g in topo.gpus]))
     n = topo.num_gpus
     gens = [g.link_gen or opt.default_link_gen for g in topo.gpus]
     fabric = _Fabric(topo, opt.default_link_gen)
-    pairs: dict[tuple[int, int], PairPlan] = {}
+    pairs: dict[tuple[int, int], PairRoute] = {}
     for a in range(n):
         for b in range(n):
             if a == b:
@@ -668,7 +668,7 @@ def plan(
             gbps, us, src = _estimate(topo, a, b, transport, direction, engine, opt, gen)
             node = topo.gpus[b].numa_node if transport == STAGED else None
             sw = roots.trigger_switch(topo, a, b) if transport == P2P else None
-            pairs[(a, b)] = PairPlan(
+            pairs[(a, b)] = PairRoute(
                 a,
                 b,
                 topo.classes[a][b],
@@ -730,7 +730,7 @@ def plan(
             f"no candidate schedule keeps every switch on one destination root complex per "
             f"round: {violations} (switch, round) cases remain"
         )
-    return Plan(
+    return TransferPlan(
         source=topo.source,
         num_gpus=n,
         pairs=tuple(pairs[(a, b)] for a in range(n) for b in range(n) if a != b),
@@ -750,7 +750,7 @@ def plan(
 
 
 def _measured_links(
-    links: dict[str, Link], probe: Probe, pairs: dict[tuple[int, int], PairPlan]
+    links: dict[str, Link], probe: Probe, pairs: dict[tuple[int, int], PairRoute]
 ) -> dict[str, Link]:
     """Links raised to what the probe showed they carry: a GPU's own link to its fastest
     measured pair (the table's generation may be a guess), the socket links to the rate
@@ -776,7 +776,7 @@ def _measured_links(
     return out
 
 
-def with_reports(p: Plan, traffic: Sequence[Traffic]) -> Plan:
+def with_reports(p: TransferPlan, traffic: Sequence[Traffic]) -> TransferPlan:
     """A plan with the traffic reports recomputed for other traffic matrices."""
     pairs = {(q.src, q.dst): q for q in p.pairs}
     links = {lk.id: lk for lk in p.links}
@@ -784,7 +784,7 @@ def with_reports(p: Plan, traffic: Sequence[Traffic]) -> Plan:
     return replace(p, reports=tuple(_report(t, pairs, links, p.rounds, collapse) for t in traffic))
 
 
-def decisions_dict(p: Plan) -> dict[str, Any]:
+def decisions_dict(p: TransferPlan) -> dict[str, Any]:
     """The plan's decisions as plain data (for a probe record, ``Buffer.stats()`` and
     tools): per pair path, direction, engine, phase and the reasons; the schedule."""
     return {

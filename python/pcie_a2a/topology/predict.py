@@ -21,7 +21,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .model import Topology
-from .planner import STAGED, Plan, PlanOptions, kimi_k2_decode, plan, with_reports
+from .planner import (
+    STAGED,
+    TransferOptions,
+    TransferPlan,
+    kimi_k2_decode,
+    plan_transfers,
+    with_reports,
+)
 
 PAYLOADS = ("fp8", "bf16")
 
@@ -54,10 +61,10 @@ class BoxPrediction:
 
 def predict(
     topology: Topology,
-    options: PlanOptions | None = None,
+    options: TransferOptions | None = None,
     tokens: int = 128,
     payloads: Sequence[str] = PAYLOADS,
-    base: Plan | None = None,
+    base: TransferPlan | None = None,
 ) -> BoxPrediction:
     """Kimi K2 decode predictions for `topology` (see the module comment). `base`: an
     already made plan of this topology and options (its reports are replaced)."""
@@ -69,7 +76,7 @@ def predict(
         )
     if tokens < 1:
         raise ValueError(f"tokens={tokens}: expected at least 1 token per rank")
-    p = base if base is not None else plan(topology, options=options)
+    p = base if base is not None else plan_transfers(topology, options=options)
     rows = []
     for payload in payloads:
         dispatch, combine = kimi_k2_decode(n, tokens, payload)

@@ -2,7 +2,7 @@
 UUIDs, PCI bus ids, driver version) in the user's cache directory
 (``$XDG_CACHE_HOME/pcie_a2a`` or ``~/.cache/pcie_a2a``, :func:`pcie_a2a.env.cache_dir`), and
 picked up when planning on that machine (:func:`.sources.current_with_probe`, which the
-CUDA transport's ``topology_rank_plan`` uses). A different GPU, a moved card or a driver
+CUDA transport's ``topology_rank_transfers`` uses). A different GPU, a moved card or a driver
 update changes the fingerprint, so a stale probe is never applied. ``PCIE_A2A_PROBE_CACHE=0``
 turns the cache off; ``PCIE_A2A_PROBE_FILE`` names a recorded probe instead.
 """

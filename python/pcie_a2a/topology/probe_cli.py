@@ -15,7 +15,7 @@ from .. import env
 from .calibration import derive
 from .errors import TopologyError
 from .model import Topology
-from .planner import PlanOptions, plan
+from .planner import TransferOptions, plan_transfers
 from .predict import format_predictions, predict
 from .probe import Probe, ProbeGateError, ProbeUnavailable
 from .render import format_plan
@@ -163,8 +163,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(probe.to_json(), end="")
         return 0
-    options = PlanOptions.from_env(probe=probe, default_link_gen=args.link_gen)
-    result = plan(topo, options=options)
+    options = TransferOptions.from_env(probe=probe, default_link_gen=args.link_gen)
+    result = plan_transfers(topo, options=options)
     print(format_probe(probe.aligned_to([g.bus_id for g in topo.gpus]), topo))
     print()
     print(format_plan(result))

@@ -259,12 +259,12 @@ def run_probe(
 def finish(
     probe: Probe, topology: Topology, diagnosis: Sequence[str] = (), options: Any = None
 ) -> Probe:
-    """The probe with the plan's decisions made from it (options: a PlanOptions whose probe
-    is replaced; default PlanOptions.from_env()), the diagnosis lines and the topology."""
-    from .planner import PlanOptions, decisions_dict, plan
+    """The probe with the plan's decisions made from it (options: a TransferOptions whose probe
+    is replaced; default TransferOptions.from_env()), the diagnosis lines and the topology."""
+    from .planner import TransferOptions, decisions_dict, plan_transfers
 
-    opt = dataclasses.replace(options or PlanOptions.from_env(), probe=probe)
-    p = plan(topology, options=opt)
+    opt = dataclasses.replace(options or TransferOptions.from_env(), probe=probe)
+    p = plan_transfers(topology, options=opt)
     return dataclasses.replace(
         probe,
         decisions=decisions_dict(p),

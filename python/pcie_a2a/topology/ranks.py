@@ -19,11 +19,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from .model import Topology, normalise_bus_id
-from .planner import P2P, Plan
+from .planner import P2P, TransferPlan
 
 
 @dataclass(frozen=True)
-class RankPlan:
+class RankTransfers:
     """What a transport reads, per rank pair ``[src][dst]`` (sender first; the diagonal is
     a rank to itself: p2p, push, sm, phase -1).
 
@@ -101,7 +101,7 @@ def default_send_order(world: int) -> list[tuple[int, ...]]:
     return [tuple((s + i) % world for i in range(1, world + 1)) for s in range(world)]
 
 
-def _rank_order(rank: int, gpus: list[int], plan: Plan) -> tuple[int, ...] | None:
+def _rank_order(rank: int, gpus: list[int], plan: TransferPlan) -> tuple[int, ...] | None:
     """The planner's rounds as rank destinations when ranks and GPUs are one to one."""
     if len(set(gpus)) != len(gpus) or len(gpus) != plan.num_gpus:
         return None
@@ -109,7 +109,9 @@ def _rank_order(rank: int, gpus: list[int], plan: Plan) -> tuple[int, ...] | Non
     return (*(rank_of[rnd[gpus[rank]]] for rnd in plan.rounds), rank)
 
 
-def plan_ranks(topology: Topology, plan: Plan, rank_bus_ids: Sequence[str]) -> RankPlan:
+def rank_transfers(
+    topology: Topology, plan: TransferPlan, rank_bus_ids: Sequence[str]
+) -> RankTransfers:
     """The transport plan of every rank (see the module comment). Ranks on one GPU reach
     each other through CUDA IPC on that device (P2P). The send order follows the
     planner's rounds when every rank has its own GPU of the topology, else the default
@@ -161,7 +163,7 @@ def plan_ranks(topology: Topology, plan: Plan, rank_bus_ids: Sequence[str]) -> R
         for s in range(world)
     )
     numa = tuple(topology.gpus[g].numa_node for g in gpus)
-    return RankPlan(
+    return RankTransfers(
         tuple(gpus),
         pairs,
         orders,

@@ -1,6 +1,6 @@
 """Text views of a topology and a plan (what ``pcie-a2a topo`` prints).
 
-The plan view is computed from the Plan alone, so a plan reloaded from JSON prints the
+The plan view is computed from the TransferPlan alone, so a plan reloaded from JSON prints the
 same text as the plan that was saved.
 """
 
@@ -10,7 +10,7 @@ import re
 
 from .directions import COPY_ENGINE, PULL, SM
 from .model import UNKNOWN_CLASS, Topology
-from .planner import STAGED, Plan
+from .planner import STAGED, TransferPlan
 
 _STATUS = {"supported": "S", "unsupported": "U", "disabled": "D", "unknown": "?"}
 _ENGINE = {SM: "s", COPY_ENGINE: "c"}
@@ -129,7 +129,7 @@ def _decision_groups(out: list[str], title: str, items: list[tuple[str, str, int
         out.append(f"                    {_pairs_text(prs)}")
 
 
-def format_plan(plan: Plan, traffic_note: str = "") -> str:
+def format_plan(plan: TransferPlan, traffic_note: str = "") -> str:
     n = plan.num_gpus
     out: list[str] = []
     if n == 0:

@@ -107,7 +107,7 @@ def current_with_probe(sysfs_root: str = "/sys") -> tuple[Topology, Probe | None
       on the live machine, the probe cached for its fingerprint (:mod:`.probe_cache`;
       PCIE_A2A_PROBE_CACHE=0 skips it); else None (the plan's per-class defaults).
 
-    The CUDA transport's ``topology_rank_plan`` calls this, so a ``Buffer`` plans with the
+    The CUDA transport's ``topology_rank_transfers`` calls this, so a ``Buffer`` plans with the
     machine's probe once ``pcie-a2a probe`` has run on it."""
     path = env.topo_file()
     topo, probe = load_with_probe(path) if path else (discover(sysfs_root), None)

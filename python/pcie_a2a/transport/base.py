@@ -152,7 +152,7 @@ def resolve_pair_direction(
     """How every ordered pair [src][dst] moves its rows ("push"/"pull") and why. The first
     that applies: a rank's own rows and host-staged pairs (``staged[s][d]``) push; an
     explicit ``Buffer(pair_direction=...)`` (checked by Buffer); the topology plan's
-    ``RankPlan.pair_direction`` (``planned``, which already folds in PCIE_A2A_DIRECTION and
+    ``RankTransfers.pair_direction`` (``planned``, which already folds in PCIE_A2A_DIRECTION and
     PCIE_A2A_PAIRS); ``env_direction`` (PCIE_A2A_DIRECTION, for a transport without a
     plan); push. Every rank computes the same from the same gathered inputs."""
     out = [["push"] * world for _ in range(world)]
@@ -166,7 +166,7 @@ def resolve_pair_direction(
             elif explicit is not None:
                 out[s][d], why[s][d] = explicit[s][d], "explicit Buffer(pair_direction=...)"
             elif planned:
-                out[s][d], why[s][d] = planned[s][d], "topology plan (RankPlan.pair_direction)"
+                out[s][d], why[s][d] = planned[s][d], "topology plan (RankTransfers.pair_direction)"
             elif env_direction is not None:
                 out[s][d], why[s][d] = env_direction, f"PCIE_A2A_DIRECTION={env_direction}"
             else:
@@ -189,7 +189,7 @@ def pair_decisions(
 
     ``pairs``: one entry per ordered pair this rank sends on (src = this rank): the path,
     direction, engine and phase the transport *uses*, and its reason; ``planned``: the
-    topology plan's decision for the pair (``RankPlan.to_dict()``), when there is a plan.
+    topology plan's decision for the pair (``RankTransfers.to_dict()``), when there is a plan.
     ``plan``: the whole plan record (None without one), ``source``: where it came from.
     """
     planned = {(p["src"], p["dst"]): p for p in (plan or {}).get("pairs", [])}

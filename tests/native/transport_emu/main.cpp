@@ -969,7 +969,7 @@ int run_inprocess(const Case& c, const std::string& prefix) {
   return status;
 }
 
-// EMU_STAGED_GATE=R (ptx.cuh of the emulation): the regions of a segment it watches, from
+// EMU_STAGED_GATE=R (the emulation's PTX model): the regions of a segment it watches, from
 // the layout the transport uses, and its shared counters in the arena's scratch.
 void setup_staged_gate(const Case& c) {
   const char* v = std::getenv("EMU_STAGED_GATE");

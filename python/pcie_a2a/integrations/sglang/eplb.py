@@ -56,7 +56,7 @@ def sglang_islands(world: int, num_nodes: int = 1):
     """Islands of the EP group: the box topology per node, nodes above."""
     from pcie_a2a import env
     from pcie_a2a.balance import Islands
-    from pcie_a2a.topology import PlanOptions, current
+    from pcie_a2a.topology import TransferOptions, current
 
     if world % num_nodes:
         raise ValueError(f"{world} EP ranks do not split over {num_nodes} nodes")
@@ -76,7 +76,7 @@ def sglang_islands(world: int, num_nodes: int = 1):
             topo.num_gpus,
         )
         return Islands.flat(world)
-    box = Islands.from_topology(topo, gpus, PlanOptions.from_env())
+    box = Islands.from_topology(topo, gpus, TransferOptions.from_env())
     if num_nodes == 1:
         return box
     return Islands.from_paths(

@@ -28,7 +28,7 @@ and the calls Buffer makes), :mod:`.calls` (the graph-capturable ``*_async`` cal
 :mod:`.in_process` (the harness), :mod:`.selftest` (the known-answer check every Buffer on
 CUDA runs before its first call).
 
-``native``, ``_device``, ``device_uuid``, ``cuda_bus_id`` and ``topology_rank_plan`` are
+``native``, ``_device``, ``device_uuid``, ``cuda_bus_id`` and ``topology_rank_transfers`` are
 looked up here, on the package, when they are used: the tests and the CPU model of CUDA
 replace them on this module.
 """
@@ -50,7 +50,7 @@ from pcie_a2a.transport.cuda.planning import (
     clear_plan_cache,
     outgoing_pairs,
     plan_on_rank0,
-    topology_rank_plan,
+    topology_rank_transfers,
 )
 from pcie_a2a.transport.cuda.transport import CudaTransport
 
@@ -65,5 +65,5 @@ __all__ = [
     "native",
     "outgoing_pairs",
     "plan_on_rank0",
-    "topology_rank_plan",
+    "topology_rank_transfers",
 ]

@@ -62,7 +62,7 @@ def package() -> Any:
     """The ``pcie_a2a.transport.cuda`` package, looked up when called (not bound at import,
     which would make each module of the package import the package it is part of): the tests
     and the CUDA emulation replace ``native``, ``_device``, ``device_uuid``, ``cuda_bus_id``
-    and ``topology_rank_plan`` on it."""
+    and ``topology_rank_transfers`` on it."""
     import pcie_a2a.transport.cuda as pkg
 
     return pkg

@@ -33,17 +33,17 @@ def _plan_key(bus_ids: list[str | None]) -> tuple:
 
 
 def clear_plan_cache() -> None:
-    """Forgets the plans :func:`topology_rank_plan` kept (the next Buffer discovers again)."""
+    """Forgets the plans :func:`topology_rank_transfers` kept (the next Buffer discovers again)."""
     _PLANS.clear()
 
 
-def topology_rank_plan(bus_ids: list[str | None]) -> tuple[Any, str]:
-    """The planner's decisions for these ranks (:class:`pcie_a2a.topology.ranks.RankPlan`)
+def topology_rank_transfers(bus_ids: list[str | None]) -> tuple[Any, str]:
+    """The planner's decisions for these ranks (:class:`pcie_a2a.topology.ranks.RankTransfers`)
     from PCIE_A2A_TOPO_FILE or the live machine, and a line saying where they come from;
     (None, why) when there is no usable topology (then CUDA peer access decides). Kept per
     process for the same devices and planner knobs; an exception is not kept."""
-    from pcie_a2a.topology import PlanOptions, TopologyError, plan
-    from pcie_a2a.topology.ranks import plan_ranks
+    from pcie_a2a.topology import TopologyError, TransferOptions, plan_transfers
+    from pcie_a2a.topology.ranks import rank_transfers
     from pcie_a2a.topology.sources import current_with_probe
 
     if None in bus_ids:
@@ -53,7 +53,9 @@ def topology_rank_plan(bus_ids: list[str | None]) -> tuple[Any, str]:
         return _PLANS[key]
     try:
         topo, probe = current_with_probe()
-        rp = plan_ranks(topo, plan(topo, options=PlanOptions.from_env(probe=probe)), bus_ids)
+        rp = rank_transfers(
+            topo, plan_transfers(topo, options=TransferOptions.from_env(probe=probe)), bus_ids
+        )
         out = rp, f"topology plan from {topo.source}, ranks matched {rp.how}"
     except (TopologyError, ValueError, OSError) as exc:
         out = None, f"no topology plan ({exc}); pairs follow CUDA peer access"
@@ -70,7 +72,7 @@ def plan_on_rank0(explicit: bool, bus_ids: list[str | None]) -> tuple[Any, str, 
     try:
         from pcie_a2a.transport import cuda as pkg
 
-        rp, note = pkg.topology_rank_plan(bus_ids)
+        rp, note = pkg.topology_rank_transfers(bus_ids)
     except Exception as exc:  # travels to every rank
         return None, "", f"{type(exc).__name__}: {exc}"
     return rp, note, None

@@ -60,7 +60,7 @@ def _y_value(dst, src, tok, chan):
     return (dst * 7 + src * 5 + tok * 3 + chan) % 31 - 15
 
 
-class _Plan:
+class _CallRouting:
     """The routing of one call, the same on every rank (each rank builds every rank's)."""
 
     def __init__(self, world: int, tokens: int, ranks_per_token: int, shift: int):
@@ -81,55 +81,57 @@ def _targets(placement) -> list[tuple[int, int] | None]:
     return out
 
 
-def _phases(t) -> list[tuple[str, int, _Plan]]:
+def _phases(t) -> list[tuple[str, int, _CallRouting]]:
     w, m = t.world, t.max_tokens
     k = max(1, min(t.num_topk, w, 16))  # sums of <= 16 partials of |y| <= 15: exact in bf16
     small = min(m, w + 1)
-    out = [("normal mode", _OP_DISPATCH, _Plan(w, small, k, 0))]
+    out = [("normal mode", _OP_DISPATCH, _CallRouting(w, small, k, 0))]
     limit = t.copy_engine_min_bytes
     slot = t._tx().dispatch_slot_bytes
     if limit is not None and m * slot >= max(limit, 1):
         rows = math.ceil(max(limit, 1) / slot) + 1  # per pair, over the threshold
         out.append(("normal mode, copy-engine sized", _OP_DISPATCH,
-                    _Plan(w, min(m, math.ceil(rows * w / k)), k, 1)))  # fmt: skip
-    out.append(("low-latency mode", _OP_LL_DISPATCH, _Plan(w, min(m, 2 * w), k, 2)))
-    out.append(("low-latency mode, expert-major", _OP_LL_DISPATCH, _Plan(w, min(m, 2 * w), k, 3)))
+                    _CallRouting(w, min(m, math.ceil(rows * w / k)), k, 1)))  # fmt: skip
+    out.append(("low-latency mode", _OP_LL_DISPATCH, _CallRouting(w, min(m, 2 * w), k, 2)))
+    out.append(
+        ("low-latency mode, expert-major", _OP_LL_DISPATCH, _CallRouting(w, min(m, 2 * w), k, 3))
+    )
     return out
 
 
-def _inputs(t, plan: _Plan, targets, fp8: bool):
+def _inputs(t, routing: _CallRouting, targets, fp8: bool):
     r, dev = t.rank, t.device
-    ids = torch.full((plan.tokens, t.num_topk), -1, dtype=torch.int32)
-    mask = torch.zeros(plan.tokens, t.world, dtype=torch.bool)
-    for tok in range(plan.tokens):
+    ids = torch.full((routing.tokens, t.num_topk), -1, dtype=torch.int32)
+    mask = torch.zeros(routing.tokens, t.world, dtype=torch.bool)
+    for tok in range(routing.tokens):
         j = 0
-        for d in plan.dests(r, tok):
+        for d in routing.dests(r, tok):
             if targets[d] is not None:
                 ids[tok, j], mask[tok, d], j = targets[d][0], True, j + 1
-    tok = torch.arange(plan.tokens, device=dev).unsqueeze(1)
+    tok = torch.arange(routing.tokens, device=dev).unsqueeze(1)
     chan = torch.arange(t.hidden, device=dev).unsqueeze(0)
     x = _x_value(r, tok, chan, fp8).to(t.dtype)
     w = torch.where(ids >= 0, 0.5, 0.0).to(torch.float32)
     return x, ids.to(dev), w.to(dev), mask.to(dev)
 
 
-def _expected_hits(t, plan: _Plan, targets) -> torch.Tensor:
+def _expected_hits(t, routing: _CallRouting, targets) -> torch.Tensor:
     """[world, tokens]: 1 where source s's token reaches this rank."""
-    hits = torch.zeros(t.world, plan.tokens, dtype=torch.int32)
-    for s, tok in itertools.product(range(t.world), range(plan.tokens)):
-        if any(d == t.rank and targets[d] is not None for d in plan.dests(s, tok)):
+    hits = torch.zeros(t.world, routing.tokens, dtype=torch.int32)
+    for s, tok in itertools.product(range(t.world), range(routing.tokens)):
+        if any(d == t.rank and targets[d] is not None for d in routing.dests(s, tok)):
             hits[s, tok] = 1
     return hits.to(t.device)
 
 
-def _check_rows(t, bad, plan, targets, fp8, x, src, tok, ids, ws):
+def _check_rows(t, bad, routing, targets, fp8, x, src, tok, ids, ws):
     """Compares received rows on the device; rows with src -1 are empty slots."""
     w = t.world
     used = src >= 0
-    ok_meta = used & (src < w) & (tok >= 0) & (tok < plan.tokens)
+    ok_meta = used & (src < w) & (tok >= 0) & (tok < routing.tokens)
     # a row whose header is out of range is charged to the unknown source (row w of bad)
     who = torch.where(ok_meta, src, torch.full_like(src, w)).long()
-    s_, t_ = src.clamp(0, w - 1).long(), tok.clamp(0, max(plan.tokens - 1, 0)).long()
+    s_, t_ = src.clamp(0, w - 1).long(), tok.clamp(0, max(routing.tokens - 1, 0)).long()
     chan = torch.arange(t.hidden, device=t.device).unsqueeze(0)
     want = _x_value(s_.unsqueeze(1), t_.unsqueeze(1), chan, fp8).to(x.dtype)
     wrong = (x != want).any(dim=1) & used
@@ -142,10 +144,10 @@ def _check_rows(t, bad, plan, targets, fp8, x, src, tok, ids, ws):
     one = torch.ones_like(who, dtype=torch.int32)
     bad[:, _WRONG].index_add_(0, who, one * wrong)
     bad[:, _META].index_add_(0, who, one * bad_meta)
-    hits = torch.zeros(w, plan.tokens, dtype=torch.int32, device=t.device)
-    if plan.tokens:
+    hits = torch.zeros(w, routing.tokens, dtype=torch.int32, device=t.device)
+    if routing.tokens:
         hits.index_put_((s_, t_), (one * ok_meta), accumulate=True)
-    diff = (hits != _expected_hits(t, plan, targets)).sum(dim=1, dtype=torch.int32)
+    diff = (hits != _expected_hits(t, routing, targets)).sum(dim=1, dtype=torch.int32)
     bad[:w, _MISSING] += diff
 
 
@@ -166,7 +168,7 @@ def _check_combine(t, bad, mask, out, weight: float):
     bad[: t.world, _COMBINE] += (mask & wrong.unsqueeze(1)).sum(dim=0, dtype=torch.int32)
 
 
-def _expert_major(t, bad, plan, targets, fp8, counts) -> None:
+def _expert_major(t, bad, routing, targets, fp8, counts) -> None:
     """The DeepEP-shaped receive ``[E_local, world * max_tokens, H]``: each row's source
     comes from ``layout_range`` (begin << 32 | count per expert and source), its token from
     ``src_info``; then the same checks as the rows layout, and the fused, weighted combine
@@ -193,7 +195,7 @@ def _expert_major(t, bad, plan, targets, fp8, counts) -> None:
     expert = torch.arange(e_n, device=dev, dtype=torch.int32).view(e_n, 1).expand(e_n, cap)
     ids = expert.reshape(-1, 1)
     ws = torch.full((e_n * cap, 1), 0.5, dtype=torch.float32, device=dev)
-    _check_rows(t, bad, plan, targets, fp8, xo.view(-1, t.hidden), src.view(-1), tok.view(-1),
+    _check_rows(t, bad, routing, targets, fp8, xo.view(-1, t.hidden), src.view(-1), tok.view(-1),
                 ids, ws)  # fmt: skip
     chan = torch.arange(t.hidden, device=dev).view(1, 1, -1)
     y = _y_value(t.rank, src.long().unsqueeze(2), tok.long().unsqueeze(2), chan).to(t.dtype)
@@ -211,11 +213,11 @@ def rank_steps(t, placement, fp8: bool, report: dict) -> Iterator[None]:
     bad = torch.zeros(len(phases), t.world + 1, 4, dtype=torch.int32, device=t.device)
     report.update(bad=bad, phases=[p[0] for p in phases], ce={})
     w, m, dev = t.world, t.max_tokens, t.device
-    for i, (name, op, plan) in enumerate(phases):
-        x, ids, wt, mask = _inputs(t, plan, targets, fp8)
+    for i, (name, op, routing) in enumerate(phases):
+        x, ids, wt, mask = _inputs(t, routing, targets, fp8)
         send_token = torch.empty(w * m, dtype=torch.int32, device=dev)
         send_count = torch.empty(w, dtype=torch.int32, device=dev)
-        t.dispatch_send(None, op, None, x, plan.tokens, ids, wt, t.num_topk, None,
+        t.dispatch_send(None, op, None, x, routing.tokens, ids, wt, t.num_topk, None,
                         send_token, send_count)  # fmt: skip
         if op == _OP_DISPATCH and "copy-engine" in name:
             report["ce"][i] = t.last_copy_engine_ranks
@@ -231,7 +233,7 @@ def rank_steps(t, placement, fp8: bool, report: dict) -> Iterator[None]:
             counts, row_base, host, bases = t.ll_counts(), None, None, None
             shape = (w * m,)
         if "expert-major" in name:
-            _expert_major(t, bad[i], plan, targets, fp8, counts)
+            _expert_major(t, bad[i], routing, targets, fp8, counts)
         else:
             xo = torch.empty(*shape, t.hidden, dtype=t.dtype, device=dev)
             src = torch.full(shape, -1, dtype=torch.int32, device=dev)
@@ -242,7 +244,7 @@ def rank_steps(t, placement, fp8: bool, report: dict) -> Iterator[None]:
             # low latency: the receive kernel waits for the flags and writes counts itself
             t.unpack_rows(None, counts, row_base, xo, None, None, src, tok, ids_o, ws_o,
                           t.num_local_experts, per_expert)  # fmt: skip
-            _check_rows(t, bad[i], plan, targets, fp8, xo, src, tok, ids_o, ws_o)
+            _check_rows(t, bad[i], routing, targets, fp8, xo, src, tok, ids_o, ws_o)
             y = _combine_rows(t, src, tok)
             combine = _OP_COMBINE if op == _OP_DISPATCH else _OP_LL_COMBINE
             if op == _OP_DISPATCH:
@@ -250,9 +252,9 @@ def rank_steps(t, placement, fp8: bool, report: dict) -> Iterator[None]:
             else:
                 t.combine_send(None, combine, None, y, counts, None)
         yield
-        out = torch.empty(plan.tokens, t.hidden, dtype=t.dtype, device=dev)
+        out = torch.empty(routing.tokens, t.hidden, dtype=t.dtype, device=dev)
         combine = _OP_COMBINE if op == _OP_DISPATCH else _OP_LL_COMBINE
-        t.combine_recv(None, combine, None, t.timeout_s, send_token, send_count, plan.tokens,
+        t.combine_recv(None, combine, None, t.timeout_s, send_token, send_count, routing.tokens,
                        out, sync=True)  # fmt: skip
         # the expert-major combine applies the routing weights (0.5) on the expert's rank
         _check_combine(t, bad[i], mask, out, 0.5 if "expert-major" in name else 1.0)

@@ -102,7 +102,7 @@ inline void emu_lane_view_sync(int warp) {
   if (warp == emu::kBlockEnd) v.settled.clear();
 }
 
-// An acquire load of v at p by the running kernel (emu_ptx.h's hook).
+// An acquire load of v at p by the running kernel (the PTX model's hook).
 inline void emu_lane_view_acquire(const void* p, uint64_t v) {
   LaneView& lv = lane_view;
   if (lv.seg == nullptr || emu::rt.smem == nullptr) return;

@@ -1,7 +1,7 @@
-// The transport emulation's staged gate: hooks the shared model of the PTX primitives
-// (tests/native/emu/emu_ptx.h, EMU_PTX_HOOKS) calls around its loads and stores, to make a
-// host-staged sender slow and partial on purpose. Off unless transport_emu/main.cpp sets
-// it up (EMU_STAGED_GATE).
+// The transport emulation's staged gate: hooks that the shared model of the PTX primitives
+// (tests/native/emu/override/cuda/common/ptx.cuh, EMU_PTX_HOOKS) calls around its loads and
+// stores, to make a host-staged sender slow and partial on purpose. Off unless
+// transport_emu/main.cpp sets it up (EMU_STAGED_GATE).
 #pragma once
 
 #include <unistd.h>
@@ -98,7 +98,7 @@ inline void emu_gate_relaxed_store(const void* p, uint32_t v) {
   if (off != SIZE_MAX && emu_in(off, g.flags_lo, g.flags_hi)) g.last_sig = v;
 }
 
-// The hooks emu_ptx.h calls (EMU_PTX_HOOKS); the acquire also feeds the lane views.
+// The hooks the PTX model calls (EMU_PTX_HOOKS); the acquire also feeds the lane views.
 inline void emu_hook_acquire_load(const void* p, uint64_t v) {
   emu_gate_load(p, v);
   emu_lane_view_acquire(p, v);

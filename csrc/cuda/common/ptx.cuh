@@ -1,12 +1,16 @@
-// The transport's inline PTX and other device intrinsics that have no C++ spelling, in one
-// place. Everything the kernels need from the hardware beyond plain CUDA C++ is here:
-// system-scope acquire/release loads and stores, the fence that makes many threads' row
-// stores cumulative before a flag, %globaltimer, %lanemask_lt and the dynamic shared
-// memory base. Why each ordering is what it is: device_protocol.cuh.
+// The inline PTX and other device intrinsics without a C++ spelling, for every kernel of
+// the library (transport, all-reduce, calibration probe): system- and GPU-scope acquire,
+// release and relaxed loads and stores, the cumulative fence, programmatic dependent
+// launch, %globaltimer, %lanemask_lt and the dynamic shared memory base.
 //
-// The CPU emulation of the kernels replaces this header with
-// one of the same functions and signatures on C++ atomics with the same orderings, so
-// the kernel sources run unchanged there; nothing else in csrc/cuda/transport may use asm.
+// Design. One header, used as is by every part, for two reasons. The orderings are the
+// correctness argument of every flag protocol (transport: device_protocol.cuh; all-reduce:
+// allreduce/device.cuh), so each is spelled and explained once; two copies drift. And the
+// CPU execution model of the kernels replaces exactly this header with one of the same
+// functions and signatures on C++ atomics of the same orderings (one host model serves every
+// emulation build), so the kernel sources run unchanged there; that only holds while no other
+// file under csrc/cuda/{transport,allreduce,probe} uses asm. Nothing here knows a protocol:
+// the parts decide which scope and which ordering each of their words needs.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -16,14 +20,16 @@
 namespace pa2a::cuda {
 
 // Acquire load of a flag word. .sys because the writer is another device (or a process
-// on this device through IPC); acquire so the rows the flag covers are visible after it.
+// on this device through IPC); acquire so the data the flag covers is visible after it.
 __device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
   uint64_t v;
   asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
   return v;
 }
 
-// Relaxed system-scope load: reads `sig` after the acquire of the word (which orders it).
+// Relaxed system-scope load: neither cached nor merged with its neighbours, so across PCIe
+// each is one read (what the probe's latency chase times). Ordered only by an acquire of
+// the word before it (the transport's `sig` after its flag).
 __device__ __forceinline__ uint32_t ld_relaxed_sys(const uint32_t* p) {
   uint32_t v;
   asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
@@ -31,7 +37,7 @@ __device__ __forceinline__ uint32_t ld_relaxed_sys(const uint32_t* p) {
 }
 
 // Release store of a flag word: every write this thread has observed (fence-cumulative:
-// including the rows of other blocks ordered before it) becomes visible first.
+// including the data of other threads ordered before it) becomes visible first.
 __device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
@@ -44,8 +50,8 @@ __device__ __forceinline__ void st_relaxed_sys(uint64_t* p, uint64_t v) {
   asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
-// GPU-scope acquire/release: what only this GPU's blocks share (the pollers' mirrors of the
-// flags, in this rank's own device memory). Cheaper than .sys: no wait for the system.
+// GPU-scope acquire/release: for words only this GPU's blocks share (in this GPU's own
+// memory). Cheaper than .sys: no wait for the rest of the system.
 __device__ __forceinline__ uint64_t ld_acquire_gpu(const uint64_t* p) {
   uint64_t v;
   asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
@@ -56,11 +62,11 @@ __device__ __forceinline__ void st_release_gpu(uint64_t* p, uint64_t v) {
   asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
-// Programmatic dependent launch (sm_90 and newer; no-ops before). The launch attribute
-// (launch.cuh) lets the next kernel of the stream be scheduled before this one ends; every
-// kernel of the transport calls griddep_wait() before it touches memory, which waits until
-// the previous grid has completed and its writes are visible, so PDL hides only the launch
-// latency and never reorders memory. griddep_launch_dependents() allows that scheduling.
+// Programmatic dependent launch (sm_90 and newer; no-ops before). With the launch attribute
+// the next kernel of the stream may be scheduled before this one ends. griddep_wait() waits
+// until the previous grid has completed and its writes are visible, so a kernel that calls
+// it before it touches memory overlaps only its launch latency and never reorders memory;
+// griddep_launch_dependents() allows the next kernel to be scheduled.
 __device__ __forceinline__ void griddep_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -73,10 +79,10 @@ __device__ __forceinline__ void griddep_launch_dependents() {
 #endif
 }
 
-// Orders this thread's earlier stores (rows pushed across PCIe) before its later ones
-// (the arrival count, then the flag) at system scope. A release store alone orders only
-// the issuing thread; rows are written by many threads, so each fences before the block
-// barrier (see publish_flags in kernels.cu).
+// Orders this thread's earlier stores (data pushed across PCIe) before its later ones (a
+// count, then the flag) at system scope. A release store alone orders only the issuing
+// thread; data is written by many threads, so each fences before the block barrier that
+// precedes the flag.
 __device__ __forceinline__ void fence_acq_rel_sys() {
   asm volatile("fence.acq_rel.sys;" ::: "memory");
 }
@@ -99,8 +105,8 @@ __device__ __forceinline__ unsigned lanemask_lt() {
 // The block's dynamic shared memory (the launch's third parameter), 16-byte aligned.
 template <typename T>
 __device__ __forceinline__ T* dynamic_smem() {
-  extern __shared__ __align__(16) unsigned char pa2a_transport_smem[];
-  return reinterpret_cast<T*>(pa2a_transport_smem);
+  extern __shared__ __align__(16) unsigned char pa2a_dynamic_smem[];
+  return reinterpret_cast<T*>(pa2a_dynamic_smem);
 }
 
 }  // namespace pa2a::cuda

@@ -1,6 +1,8 @@
-// Host model of csrc/cuda/transport/ptx.cuh (same functions, same signatures), for every
-// emulation build that runs kernels using it (the transport's and the all-reduce's): their
-// override/cuda/transport/ptx.cuh, found first through -iquote, includes this.
+// Host model of csrc/cuda/common/ptx.cuh (same functions, same signatures), the one
+// stand-in for it in every emulation build (transport, all-reduce, probe, the Python-level
+// module): each puts tests/native/emu/override on -iquote, so "cuda/common/ptx.cuh" is found
+// here before csrc. One model because the kernels share one header: a primitive modelled
+// twice could be modelled two ways.
 //
 // The PTX orderings map to GCC's __atomic builtins with the same orderings: ld.acquire.sys
 // -> acquire load, ld.relaxed.sys / st.relaxed.sys -> relaxed, st.release.sys -> release
@@ -21,10 +23,11 @@
 // (device_protocol.cuh: after its last wait): an acquire load of a flag (every wait polls
 // with one) in a block that already called griddep_launch_dependents is reported.
 //
-// Hooks: a build that defines EMU_PTX_HOOKS before including this provides
-// emu_hook_acquire_load(p, v), emu_hook_release_store(p, v, before) and
-// emu_hook_relaxed_store(p, v) in pa2a::cuda (the transport's staged gate,
-// transport_emu/include/emu_staged_gate.h); without it they do nothing.
+// Hooks: a build that defines EMU_PTX_HOOKS as a header name (the transport's:
+// -DEMU_PTX_HOOKS="emu_staged_gate.h", its staged gate in transport_emu/include) gets that
+// header included first; it provides emu_hook_acquire_load(p, v),
+// emu_hook_release_store(p, v, before) and emu_hook_relaxed_store(p, v) in pa2a::cuda.
+// Without it they do nothing.
 #pragma once
 
 #include <time.h>
@@ -34,6 +37,9 @@
 #include <string>
 
 #include "emu_cuda.h"
+#ifdef EMU_PTX_HOOKS
+#include EMU_PTX_HOOKS  // declared before the model that calls them
+#endif
 
 namespace pa2a::cuda {
 
