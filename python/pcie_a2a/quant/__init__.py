@@ -6,66 +6,58 @@
 * :mod:`.moe` — ``moe_int4_mlp`` (CUDA kernel or CPU reference) and the references.
 
 See docs/int4.md.
+
+Lazy: ``import pcie_a2a.quant.grid_model`` (the planner's INT4 cost model, pure Python)
+must not load torch, which the other submodules need; each name below is imported from its
+submodule on first use.
 """
 
-from .checkpoint import LazyTensors, cat_packed, load_int4_experts
-from .formats import (
-    SUPPORTED_GROUP_SIZES,
-    Int4Weights,
-    concat_gate_up,
-    dequantize_awq,
-    dequantize_compressed_tensors,
-    dequantize_gptq,
-    from_awq,
-    from_compressed_tensors,
-    from_gptq,
-    random_int4,
-    stack_experts,
-    to_awq,
-    to_compressed_tensors,
-    to_gptq,
-)
-from .layout import (
-    PackedInt4Experts,
-    PackedInt4Weight,
-    dequantize_packed,
-    emulate_fragments,
-    pack_int4,
-)
-from .moe import (
-    check_routing_errors,
-    moe_int4_mlp,
-    moe_int4_mlp_expert_major,
-    moe_int4_mlp_expert_major_reference,
-    moe_int4_mlp_reference,
-)
+from __future__ import annotations
 
-__all__ = [
-    "SUPPORTED_GROUP_SIZES",
-    "Int4Weights",
-    "LazyTensors",
-    "PackedInt4Experts",
-    "PackedInt4Weight",
-    "cat_packed",
-    "check_routing_errors",
-    "concat_gate_up",
-    "dequantize_awq",
-    "dequantize_compressed_tensors",
-    "dequantize_gptq",
-    "dequantize_packed",
-    "emulate_fragments",
-    "from_awq",
-    "from_compressed_tensors",
-    "from_gptq",
-    "load_int4_experts",
-    "moe_int4_mlp",
-    "moe_int4_mlp_expert_major",
-    "moe_int4_mlp_expert_major_reference",
-    "moe_int4_mlp_reference",
-    "pack_int4",
-    "random_int4",
-    "stack_experts",
-    "to_awq",
-    "to_compressed_tensors",
-    "to_gptq",
-]
+import importlib
+from typing import Any
+
+# public name -> submodule
+_LAZY = {
+    "Int4Weights": "formats",
+    "LazyTensors": "checkpoint",
+    "PackedInt4Experts": "layout",
+    "PackedInt4Weight": "layout",
+    "SUPPORTED_GROUP_SIZES": "formats",
+    "cat_packed": "checkpoint",
+    "check_routing_errors": "moe",
+    "concat_gate_up": "formats",
+    "dequantize_awq": "formats",
+    "dequantize_compressed_tensors": "formats",
+    "dequantize_gptq": "formats",
+    "dequantize_packed": "layout",
+    "emulate_fragments": "layout",
+    "from_awq": "formats",
+    "from_compressed_tensors": "formats",
+    "from_gptq": "formats",
+    "load_int4_experts": "checkpoint",
+    "moe_int4_mlp": "moe",
+    "moe_int4_mlp_expert_major": "moe",
+    "moe_int4_mlp_expert_major_reference": "moe",
+    "moe_int4_mlp_reference": "moe",
+    "pack_int4": "layout",
+    "random_int4": "formats",
+    "stack_experts": "formats",
+    "to_awq": "formats",
+    "to_compressed_tensors": "formats",
+    "to_gptq": "formats",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
