@@ -24,6 +24,7 @@ WORD_BUDGET = {
     "cuda_transport.md": 2966,
     "gpu_check.md": 925,
     "int4.md": 1681,
+    "internode.md": 700,
     "moe.md": 606,
     "plan.md": 2519,
     "probe.md": 600,
