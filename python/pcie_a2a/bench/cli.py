@@ -15,7 +15,7 @@ import os
 import sys
 import time
 
-from pcie_a2a.bench import arms, device
+from pcie_a2a.bench import arms, device, nodes
 from pcie_a2a.bench.routing_spec import ROUTINGS, RoutingSpec, check_spec
 
 PAYLOADS = ("bf16", "fp8")
@@ -57,6 +57,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--world", type=int, default=4, help="ranks to spawn (default 4; ignored under torchrun)"
+    )
+    p.add_argument(
+        "--nodes",
+        type=int,
+        default=1,
+        help="split the ranks into N nodes of world/N (PCIE_A2A_LOCAL_WORLD_SIZE; CPU only): "
+        "pcie_a2a runs through the multi-node Buffer, and the report adds the inter-node "
+        "bytes of pcie_a2a and of the flat a2a (default 1)",
     )
     p.add_argument(
         "--backend",
@@ -176,6 +184,10 @@ def resolve(args: argparse.Namespace, world: int) -> dict:
         raise _bad("--mode", args.mode, ", ".join(MODES))
     if args.backend not in device.BACKENDS:
         raise _bad("--backend", args.backend, ", ".join(device.BACKENDS))
+    why = nodes.why_not(args.nodes, world, args.backend)
+    if why:
+        print(f"pcie-a2a bench: error: {why}", file=sys.stderr)
+        raise SystemExit(2)
     routings = _list("--routing", args.routing, ROUTINGS)
     for r in routings:
         why = check_spec(
@@ -192,7 +204,8 @@ def resolve(args: argparse.Namespace, world: int) -> dict:
         if why:
             print(f"pcie-a2a bench: error: {why}", file=sys.stderr)
             raise SystemExit(2)
-    return {
+    out = {"nodes": args.nodes} if args.nodes > 1 else {}
+    return out | {
         "backend": args.backend,
         "tokens": sorted(set(tokens)),
         "payloads": payloads,
@@ -269,6 +282,10 @@ def main(args: argparse.Namespace) -> int:
     failed = report.checks(summary) + arms.checks(summary, report.TOLERANCE)
     for line in report.target_lines(summary) + arms.lines(summary) + failed:
         print(line)
+    if cfg.get("nodes", 1) > 1:
+        print()
+        for line in nodes.lines(summary, cfg, world, torchrun):
+            print(line)
     for name, why in _not_run(summary).items():
         print(f"pcie-a2a bench: {name}: not run: {why}", file=sys.stderr)
     doc = {

@@ -77,6 +77,7 @@ class Ours:
         self.low_latency = low_latency
         self.clock = clock
         self.wire = (0, 0)
+        self.internode = (0, 0)  # of wire: bytes to other nodes (multi-node Buffer)
 
     def step(self, x, ids, w, record: bool = False):
         buf, h, now = self.buf, x.shape[1], self.clock
@@ -86,7 +87,8 @@ class Ours:
         else:
             r = buf.dispatch(x, ids, w)
         t1 = now()
-        d_bytes = buf.stats()["last_wire_bytes"] if record else 0
+        d_stats = buf.stats() if record else {}
+        d_bytes = d_stats.get("last_wire_bytes", 0)
         if self.low_latency:
             k = r.topk_ids.shape[-1]
             y = expert(r.x.view(-1, h), r.topk_ids.view(-1, k), r.topk_weights.view(-1, k))
@@ -98,7 +100,12 @@ class Ours:
         out = combine(y, r.handle)
         t3 = now()
         if record:
-            self.wire = (d_bytes, buf.stats()["last_wire_bytes"])
+            c_stats = buf.stats()
+            self.wire = (d_bytes, c_stats["last_wire_bytes"])
+            self.internode = (
+                d_stats.get("last_internode_bytes", 0),
+                c_stats.get("last_internode_bytes", 0),
+            )
         return out, (t0, t1, t2, t3)
 
 

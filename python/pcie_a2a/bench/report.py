@@ -146,6 +146,8 @@ def summarize(raw: dict) -> list[dict]:
             }
         entry = {k: res[k] for k in ("tokens", "payload", "routing", "iters", "ranks_per_token")}
         entry["methods"] = methods
+        if "internode" in res:  # --nodes N (bench/nodes.py)
+            entry["internode"] = res["internode"]
         unavailable = res.get("unavailable_arms", {})
         if extra or unavailable:
             entry["arms"] = arms.summarize(ours, extra, unavailable)

@@ -77,9 +77,19 @@ def _sweep(cfg: dict):
     return importlib.import_module(cfg.get("sweep_module", "pcie_a2a.bench.worker")).run_sweep
 
 
+def _split_nodes(cfg: dict, world: int) -> None:
+    """--nodes N: this rank's Buffers see nodes of world/N ranks (bench/nodes.py)."""
+    from pcie_a2a.bench.nodes import ENV, local_world
+
+    per_node = local_world(cfg, world)
+    if per_node is not None:
+        os.environ[ENV] = str(per_node)
+
+
 def _child(rank: int, world: int, port: int, cfg: dict, results) -> None:
     faulthandler.enable()  # a crashing rank prints where it was
     os.environ["OMP_NUM_THREADS"] = str(cfg["threads"])
+    _split_nodes(cfg, world)
     try:
         import torch.distributed as dist
 
@@ -99,6 +109,7 @@ def run_torchrun(cfg: dict) -> dict | None:
     import torch.distributed as dist
 
     run_sweep = _sweep(cfg)
+    _split_nodes(cfg, int(os.environ["WORLD_SIZE"]))
     _init(cfg, local_rank(), init_method="env://")
     try:
         return run_sweep(cfg)

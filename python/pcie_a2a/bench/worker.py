@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 import pcie_a2a
-from pcie_a2a.bench import arms, device, memory, nccl_ep
+from pcie_a2a.bench import arms, device, memory, nccl_ep, nodes
 from pcie_a2a.bench.methods import (
     AllGatherReduceScatter,
     AllReduceEP,
@@ -168,6 +168,22 @@ def run_sweep(cfg: dict, group=None, emit=None) -> dict | None:
     return {"results": results, "ag_rs_reduce": reduce, "baselines_na": na}
 
 
+def _internode(cfg, group, comm, where, methods, ids) -> dict:
+    """--nodes N: ``{"internode": {arm: [dispatch, combine]}}``, bytes per rank per call to
+    other nodes (mean over ranks): pcie_a2a measured, the flat a2a counted from the
+    routing (bench/nodes.py); ``{}`` with one node."""
+    if cfg.get("nodes", 1) < 2:
+        return {}
+    rank, world = where
+    per_node = world // cfg["nodes"]
+    flat = nodes.flat_bytes(ids, cfg["experts"], world, rank, per_node, cfg["hidden"])
+    mine = {"pcie_a2a": methods[0].internode, nodes.FLAT: flat}
+    arms_ = [n for n in mine if n == "pcie_a2a" or any(m.name == n for m in methods)]
+    local = torch.tensor([mine[n] for n in arms_], dtype=torch.float64)
+    every = _gather(local, group, comm).mean(dim=0)
+    return {"internode": {n: every[i].tolist() for i, n in enumerate(arms_)}}
+
+
 def _run_config(cfg, group, where, methods, tokens, routing) -> dict:
     rank, world, dev, comm = where
     spec = RoutingSpec(
@@ -237,10 +253,11 @@ def _run_config(cfg, group, where, methods, tokens, routing) -> dict:
     checks_t = _gather(local, group, comm)  # [world, methods, 3]
     fanout = ranks_per_token(ids_cpu, cfg["experts"], world)
     fanouts = _gather(torch.tensor([fanout], dtype=torch.float64), group, comm)
+    internode = _internode(cfg, group, comm, (rank, world), methods, ids_cpu)
     if rank != 0:
         return {}
     slowest = every.amax(dim=0)  # [methods, iters, phases], ns
-    return {
+    return internode | {
         "iters": iters,
         "ranks_per_token": float(fanouts.mean()),
         "methods": {
