@@ -68,7 +68,9 @@ def test_two_nodes_bytes_match_hand_count(tmp_path):
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "nodes: 2 x 2 ranks, SIMULATED on one host" in proc.stdout
-    (res,) = json.loads(js.read_text())["results"]
+    doc = json.loads(js.read_text())
+    assert doc["nodes"] == {"count": 2, "ranks_per_node": 2, "simulated": True}
+    (res,) = doc["results"]
     assert {"pcie_a2a", "a2a"} <= set(res["methods"])
     for name in ("pcie_a2a", "a2a"):
         assert res["methods"][name]["max_rel_err"] <= 0.02

@@ -297,6 +297,9 @@ def main(args: argparse.Namespace) -> int:
         "expert": report.expert_note(cfg["backend"]),
         "results": summary,
     }
+    if cfg.get("nodes", 1) > 1:
+        n = cfg["nodes"]
+        doc["nodes"] = {"count": n, "ranks_per_node": world // n, "simulated": not torchrun}
     if error:
         doc["error"] = error
     report.write_json(js, doc)
