@@ -197,6 +197,8 @@ def run(cfg: dict, world: int) -> dict | None:
     if world < 1:
         raise BenchError(f"--world: got {world}; allowed: a positive int")
     where = "" if cfg["backend"] == "cpu" else f", {cfg['device_count']} GPUs"
+    if cfg.get("nodes", 1) > 1:
+        where += f", {cfg['nodes']} simulated nodes of {world // cfg['nodes']}"
     print(
         f"[bench] spawning {world} ranks ({cfg['pg_backend']} on 127.0.0.1{where})",
         file=sys.stderr,
