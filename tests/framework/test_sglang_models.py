@@ -28,7 +28,9 @@ declare_entry_point(
 
 WORLD = 2
 TP_ATTN_TOKENS = 6
-DP_BATCHES = ([5, 3], [4, 0])  # tokens per DP rank in each step (rank 1 idle in the second)
+#: tokens per DP rank in each step, by world (a rank idle in a step)
+DP_BATCHES = {2: ([5, 3], [4, 0]), 4: ([5, 3, 0, 2], [1, 0, 4, 2])}
+ALL_FAMILIES = ("deepseek_v3", "qwen2_moe", "glm4_moe", "qwen3_moe")
 
 
 @pytest.fixture(scope="module")
@@ -55,12 +57,16 @@ def _shapes(module) -> dict:
     return {n: tuple(p.shape) for n, p in module.named_parameters()}
 
 
-def _blocks_worker(rank: int, world: int, root: str, dp: bool) -> dict:
+def _blocks_worker(
+    rank: int, world: int, root: str, dp: bool, families=ALL_FAMILIES, local=None
+) -> dict:
     import sglang_blocks as sb
     from sglang.srt.runtime_context import get_parallel
 
     from pcie_a2a.integrations import _common
 
+    if local is not None:  # simulated nodes of `local` ranks: the EP group spans them
+        os.environ["PCIE_A2A_LOCAL_WORLD_SIZE"] = str(local)
     sb.load_plugins_quietly()
     sb.cpu_shims()
     # ar: the `none` reference completes its sum with an all-reduce (SGLang's
@@ -70,14 +76,15 @@ def _blocks_worker(rank: int, world: int, root: str, dp: bool) -> dict:
     attn_tp = get_parallel().attn_tp_size
     out: dict = {"attn_tp": attn_tp, "attn_dp": get_parallel().attn_dp_size}
     try:
-        for fam, (_, _, shared_attr) in sb.FAMILIES.items():
+        for fam in families:
+            shared_attr = sb.FAMILIES[fam][2]
             per = {}
             for backend in ("none", "pcie"):
                 sb.set_backend(backend)
                 block, attn_b, ffn_b, fnorm, hf = sb.build_block(fam)
                 sb.load_block(block, seed=3)
                 steps = []
-                batches = DP_BATCHES if dp else ([TP_ATTN_TOKENS] * world,)
+                batches = DP_BATCHES[world] if dp else ([TP_ATTN_TOKENS] * world,)
                 for step, counts in enumerate(batches):
                     t = counts[rank]
                     x = _tokens(rank, step, t, hf.hidden_size, dp)
@@ -91,6 +98,11 @@ def _blocks_worker(rank: int, world: int, root: str, dp: bool) -> dict:
                     "shared": _shapes(getattr(block, shared_attr) if shared_attr else None),
                     "dispatcher": type(block.experts.dispatcher).__name__,
                 }
+                if backend == "pcie":
+                    per["buffers"] = [
+                        (type(b).__name__, b.stats()["internode_bytes"])
+                        for b in _common._BUFFERS.values()
+                    ]
             out[fam] = per
         # a MoE block nobody validated is refused when it is built, naming the class
         sb.set_backend("pcie")
@@ -106,12 +118,13 @@ def _blocks_worker(rank: int, world: int, root: str, dp: bool) -> dict:
     return out
 
 
-def _check(outs: list[dict], dp: bool) -> None:
+def _check(outs: list[dict], dp: bool, families=ALL_FAMILIES, nodes: int = 1) -> None:
     import torch
 
+    world = len(outs)
     for rank, res in enumerate(outs):
-        assert (res["attn_tp"], res["attn_dp"]) == ((1, WORLD) if dp else (WORLD, 1))
-        for fam in ("deepseek_v3", "qwen2_moe", "glm4_moe", "qwen3_moe"):
+        assert (res["attn_tp"], res["attn_dp"]) == ((1, world) if dp else (world, 1))
+        for fam in families:
             none, pcie = res[fam]["none"], res[fam]["pcie"]
             assert pcie["dispatcher"] == "PcieA2ADispatcher", fam
             assert none["dispatcher"] == "StandardDispatcher", fam
@@ -122,15 +135,19 @@ def _check(outs: list[dict], dp: bool) -> None:
                 for name, shape in pcie["shared"].items():
                     ref = none["shared"][name]
                     dim = 0 if "gate_up" in name else 1
-                    assert shape[dim] == WORLD * ref[dim], (fam, name, shape, ref)
+                    assert shape[dim] == world * ref[dim], (fam, name, shape, ref)
+            kinds = {kind for kind, _ in res[fam]["buffers"]}
+            assert kinds == {"InternodeBuffer" if nodes > 1 else "Buffer"}, (fam, kinds)
+            # across nodes, rows crossed (every step routes tokens to the other node's experts)
+            assert all((b > 0) == (nodes > 1) for _, b in res[fam]["buffers"]), res[fam]
             for step, (a, b) in enumerate(zip(pcie["steps"], none["steps"])):
                 t = a["t"]
                 # pcie: the block sees this rank's rows; none: the rows the boundary
                 # gathers (all DP ranks' rows, or the whole TP-attention batch)
                 if dp:
-                    assert a["seen"] == t and b["seen"] == sum(DP_BATCHES[step]), (fam, a, b)
+                    assert a["seen"] == t and b["seen"] == sum(DP_BATCHES[world][step]), (fam,)
                 else:
-                    assert a["seen"] == t // WORLD and b["seen"] == t, (fam, a, b)
+                    assert a["seen"] == t // world and b["seen"] == t, (fam, a, b)
                 assert a["shape"] == b["shape"] == (t, 64), (fam, a["shape"], b["shape"])
                 if t:
                     ya, yb = torch.tensor(a["y"]), torch.tensor(b["y"])
@@ -147,6 +164,16 @@ def _check(outs: list[dict], dp: bool) -> None:
 def test_real_blocks_match_none_backend(model_root, dp):
     outs = run_ok(WORLD, _blocks_worker, model_root, dp, timeout=420)
     _check(outs, dp)
+
+
+def test_real_blocks_on_an_ep_group_spanning_two_nodes(model_root):
+    """4 ranks as 2 simulated nodes of 2 (PCIE_A2A_LOCAL_WORLD_SIZE): the dispatcher's
+    Buffer is the multi-node one (pcie_a2a.internode), DP attention as multi-node EP runs
+    it, DeepSeek-V3's block (the shared expert beside the routed ones); output equal to
+    the ``none`` backend's within the same bf16 bound, inter-node bytes counted."""
+    fams = ("deepseek_v3",)
+    outs = run_ok(4, _blocks_worker, model_root, True, fams, 2, timeout=420)
+    _check(outs, True, fams, nodes=2)
 
 
 # ---- installed but not selected: the plugin changes nothing -------------------------------
@@ -271,6 +298,7 @@ def _resolve(args, lines: list) -> dict:
     }
 
 
+TWO_NODES = ["--nnodes", "2", "--node-rank", "0", "--dist-init-addr", "127.0.0.1:29999"]
 EPLB_OURS = ["--ep-num-redundant-experts", "4", "--eplb-algorithm", "pcie_a2a"]
 #: Kimi K2's checkpoint scheme (compressed-tensors W4A16): its layers run from packed INT4
 INT4_CT = {
@@ -326,6 +354,9 @@ RESOLVE_CASES = [
     ("qwen3_moe_int4", [], {"PCIE_A2A_SGLANG_FORMAT": "deepep_ll"}, "with this compressed"),
     # a GPU server as SGLang resolves it (--device cuda on this CPU box): decode graphs
     # stay on; PCIE_A2A_BACKEND=cpu turns them off again
+    # across nodes: refused on GPUs (no CUDA stage between nodes), the CPU path says so
+    ("qwen3_moe", ["--device", "cuda", *TWO_NODES], {}, "--nnodes 2 on GPUs"),
+    ("qwen3_moe", TWO_NODES, {}, None),
     ("qwen3_moe", ["--device", "cuda"], {}, None),
     ("qwen3_moe", ["--device", "cuda"], {"PCIE_A2A_BACKEND": "cpu"}, None),
 ]
@@ -393,6 +424,9 @@ def test_launch_refusals_name_the_flag(resolve_root):
     placed = "\n".join(eplb[(*EPLB_OURS, "--enable-eplb")]["lines"])
     assert "4 redundant experts" in placed and "EPLB on, --eplb-algorithm pcie_a2a" in placed
     assert "expert placement" not in text
+    spans = "\n".join(results[-3]["lines"])
+    assert "the EP group spans 2 nodes: the multi-node Buffer" in spans, results[-3]
+    assert "spans" not in text
     gpu, gpu_cpu = results[-2], results[-1]
     assert gpu["graphs"] == (False, True), gpu  # (decode disabled, prefill disabled)
     assert any("decode CUDA graphs stay on" in line for line in gpu["lines"]), gpu

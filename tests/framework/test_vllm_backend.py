@@ -357,6 +357,7 @@ def _launch_worker(rank: int, world: int, root: str) -> dict:
 _PLATFORM_FIELDS = (
     "data_parallel_size", "enable_expert_parallel", "all2all_backend", "enable_eplb",
     "enable_elastic_ep", "use_ubatching", "tensor_parallel_size", "prefill_context_parallel_size",
+    "data_parallel_size_local", "data_parallel_external_lb", "nnodes",
 )  # fmt: skip
 
 
@@ -366,6 +367,7 @@ def _platform_config(overrides: dict):
     o = dict(is_moe=True, enforce_eager=False, data_parallel_size=2, enable_expert_parallel=True,
              all2all_backend="allgather_reducescatter", enable_eplb=False, enable_elastic_ep=False,
              use_ubatching=False, tensor_parallel_size=1, prefill_context_parallel_size=1,
+             data_parallel_size_local=2, data_parallel_external_lb=False, nnodes=1,
              cudagraph_mode=None)  # fmt: skip
     o.update(overrides)
     mode = o["cudagraph_mode"]
@@ -385,8 +387,13 @@ def _platform_worker(rank: int, world: int, platform: str) -> dict:
     if platform == "cuda_backend_cpu":
         os.environ["PCIE_A2A_BACKEND"] = "cpu"
     out = {}
+    two_nodes = {"data_parallel_size": 4, "data_parallel_size_local": 2}
     for name, overrides in (("dp2_ep", {}), ("explicit_graphs", {"cudagraph_mode": "FULL"}),
-                            ("dbo", {"use_ubatching": True})):  # fmt: skip
+                            ("dbo", {"use_ubatching": True}), ("two_nodes", two_nodes),
+                            ("nnodes2", {**two_nodes, "nnodes": 2}),
+                            # one rank per instance: the launch cannot tell the nodes
+                            ("external_lb", {"data_parallel_size_local": 1,
+                                             "data_parallel_external_lb": True})):  # fmt: skip
         cfg = _platform_config(overrides)
         cap = _capture()
         try:
@@ -437,8 +444,14 @@ def test_launch_keeps_cuda_graphs_on_the_cuda_path():
     assert gpu["dp2_ep"].get("mode") is None and "error" not in gpu["dp2_ep"], gpu["dp2_ep"]
     assert gpu["explicit_graphs"].get("mode") == "FULL", gpu["explicit_graphs"]
     assert "--enable-dbo" in gpu["dbo"]["error"] and "one call in flight" in gpu["dbo"]["error"]
+    # across nodes: no CUDA stage between nodes yet, refused at launch (not at a forward)
+    for name in ("two_nodes", "nnodes2"):
+        assert "across 2 nodes on GPUs" in gpu[name].get("error", ""), gpu[name]
+        assert "PCIE_A2A_BACKEND=cpu" in gpu[name]["error"], gpu[name]
+    assert "error" not in gpu["external_lb"], gpu["external_lb"]
     (cpu,) = run_ok(1, _platform_worker, "cuda_backend_cpu", timeout=240)
     assert cpu["dp2_ep"].get("mode") == "NONE", cpu["dp2_ep"]
+    assert cpu["two_nodes"].get("mode") == "NONE", cpu["two_nodes"]  # the CPU path runs it
 
 
 # ---- the prepare/finalize contract -------------------------------------------------------
@@ -561,8 +574,13 @@ def _experts_of(id_space: str):
     return object.__new__(CPUUnquantizedExperts)
 
 
-def _pf_worker(rank: int, world: int, reduce_in_experts: bool, placement: str, spec: str):
+def _pf_worker(
+    rank: int, world: int, reduce_in_experts: bool, placement: str, spec: str, local=None
+):
     import torch
+
+    if local is not None:  # simulated nodes of `local` ranks: the EP group spans them
+        os.environ["PCIE_A2A_LOCAL_WORLD_SIZE"] = str(local)
 
     _load_plugins("1")
     import vllm.model_executor.layers.fused_moe.all2all_utils as a2u
@@ -602,6 +620,8 @@ def _pf_worker(rank: int, world: int, reduce_in_experts: bool, placement: str, s
             err = (out.float() - want).abs().max().item() if x.shape[0] else 0.0
             scale_ = want.abs().max().item() if x.shape[0] else 1.0
             results.append((x.shape[0], a.shape[0], err, scale_))
+        kinds = sorted({type(b).__name__ for b in _common._BUFFERS.values()})
+        crossed = sum(b.stats()["internode_bytes"] for b in _common._BUFFERS.values())
         # a map that no longer matches the placement the buffers were built for
         moved = expert_map.roll(1)
         try:
@@ -611,19 +631,24 @@ def _pf_worker(rank: int, world: int, reduce_in_experts: bool, placement: str, s
             refused = str(exc)
     finally:
         _common.close_buffers()
-    return {"results": results, "refused": refused}
+    return {"results": results, "refused": refused, "kinds": kinds, "crossed": crossed}
 
 
 @pytest.mark.parametrize(
-    "world,reduce_in_experts,placement,spec",
-    [(2, False, "linear", "int64/global"), (3, True, "round_robin", "int32/local")],
-)
-def test_prepare_finalize_matches_dense_moe(world, reduce_in_experts, placement, spec):
-    outs = run_ok(world, _pf_worker, reduce_in_experts, placement, spec, timeout=300)
+    "world,reduce_in_experts,placement,spec,local",
+    [(2, False, "linear", "int64/global", None), (3, True, "round_robin", "int32/local", None),
+     # multi-node DP+EP: 2 simulated nodes of 2 ranks, the multi-node Buffer underneath
+     (4, False, "round_robin", "int64/global", 2)],
+    ids=["w2", "w3", "w4_two_nodes"],
+)  # fmt: skip
+def test_prepare_finalize_matches_dense_moe(world, reduce_in_experts, placement, spec, local):
+    outs = run_ok(world, _pf_worker, reduce_in_experts, placement, spec, local, timeout=300)
     for rank, res in enumerate(outs):
         for tokens, rows, err, scale in res["results"]:
             assert err <= 0.02 * max(scale, 1e-3) + 1e-2, (rank, tokens, rows, err, scale)
         assert "differs from the placement" in res["refused"], res["refused"]
+        assert res["kinds"] == ["InternodeBuffer" if local else "Buffer"], res["kinds"]
+        assert (res["crossed"] > 0) == bool(local), res["crossed"]
 
 
 def test_placement_from_expert_maps():

@@ -74,6 +74,14 @@ def payload() -> str | None:
     return env.payload()
 
 
+#: why a GPU server spanning nodes is refused (SGLang's and vLLM's launch)
+MULTI_NODE_CUDA = (
+    "the multi-node Buffer runs only the CPU transport in this release (the NCCL stage "
+    "between nodes and the per-node CUDA kernels are not built); PCIE_A2A_BACKEND=cpu runs "
+    "it with tokens staged through host memory (slow, no CUDA graphs), docs/internode.md"
+)
+
+
 _BUFFERS: dict[tuple, Buffer] = {}
 _LOCK = threading.Lock()
 

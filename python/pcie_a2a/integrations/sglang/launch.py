@@ -41,6 +41,7 @@ import logging
 from typing import Any
 
 from pcie_a2a import env
+from pcie_a2a.integrations import _common
 
 logger = logging.getLogger("pcie_a2a.integrations.sglang")
 
@@ -273,6 +274,14 @@ def validate(server_args: Any) -> list[str]:
         )
     cg = view.cuda_graph_config
     on_gpu = cuda_path(server_args)
+    nnodes = int(getattr(view, "nnodes", 1) or 1)
+    if nnodes > 1 and on_gpu:
+        _refuse(f"--nnodes {nnodes} on GPUs", _common.MULTI_NODE_CUDA)
+    if nnodes > 1:
+        say(
+            f"pcie_a2a: the EP group spans {nnodes} nodes: the multi-node Buffer "
+            "(pcie_a2a.internode, CPU transport inside each node, gloo between nodes)"
+        )
     if cg is not None:
         phases = (Phase.PREFILL,) if on_gpu else (Phase.DECODE, Phase.PREFILL)
         on = [p for p in phases if getattr(cg, p).backend != Backend.DISABLED]

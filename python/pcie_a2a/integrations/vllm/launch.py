@@ -95,6 +95,14 @@ def resolve(vllm_config: Any) -> None:
             "(vLLM's sequence-parallel MoE) is not supported yet",
             "use --tensor-parallel-size 1 with --data-parallel-size N",
         )
+    nodes = nodes_spanned(pc)
+    if nodes > 1 and cuda_path():
+        from pcie_a2a.integrations._common import MULTI_NODE_CUDA
+
+        raise _refuse(
+            f"data parallelism across {nodes} nodes on GPUs is not supported: " + MULTI_NODE_CUDA,
+            "serve from one node",
+        )
     if not cuda_path():
         _cuda_graphs_off(vllm_config)
     logger.info(
@@ -102,6 +110,19 @@ def resolve(vllm_config: Any) -> None:
         "(PCIE_A2A_VLLM=1)",
         pc.data_parallel_size,
     )
+
+
+def nodes_spanned(pc: Any) -> int:
+    """Nodes the DP (= EP) group spans, as vLLM's launch states it: ``--nnodes``, or
+    ``--data-parallel-size`` over ``--data-parallel-size-local`` (internal or hybrid load
+    balancing). External load balancing (one rank per instance) does not say: 1, and
+    the Buffer finds the hosts itself."""
+    if int(getattr(pc, "nnodes", 1) or 1) > 1:
+        return int(pc.nnodes)
+    local = int(getattr(pc, "data_parallel_size_local", 0) or 0)
+    if getattr(pc, "data_parallel_external_lb", False) or not 0 < local < pc.data_parallel_size:
+        return 1
+    return -(-pc.data_parallel_size // local)
 
 
 def cuda_path() -> bool:
