@@ -116,7 +116,7 @@ def node_gbps(nic: Nic, t: Tables) -> tuple[float, str, str]:
     )
     if anchor:
         return gbps, "measured", f"{how}: {t.nic_efficiency_source}"
-    src = f"{how}, assumed (scaled from the line rate): {t.nic_efficiency_source}"
+    src = f"{how}, scaled from the line rate: {t.nic_efficiency_source}"
     if capped:
         src += f"; cap: {t.nic_nogdr_cap_source}"
     return gbps, "assumed", src
@@ -320,6 +320,7 @@ class NodesPlan:
     not_evaluated: list[str]
     assumed: list[str]
     replicas: tuple[str, int, float] | None  # one box's recommendation: name, C, tok/s
+    env: object = None  # the nodes' Env (its exchanges: NodeExchanges)
 
     @property
     def gpus(self) -> int:
@@ -361,7 +362,9 @@ def evaluate_nodes(
                 r.reasons[fw].append(NOT_BUILT)
         results.append(r)
     q = 1 + env.stack.mtp.draft_tokens if env.stack.mtp else 1
-    traffic = [ex.layer(c * q, nenv, payload, c) for c in CONCURRENCIES]
+    traffic = []  # the multi-node Buffer's contiguous placement needs E % (N x G) == 0
+    if env.model.experts % (nodes * per_node) == 0:
+        traffic = [ex.layer(c * q, nenv, payload, c) for c in CONCURRENCIES]
     if nic.gdr:
         why = (
             "need NVLink (or xGMI) inside the node besides GPUDirect RDMA between nodes; none "
@@ -422,6 +425,7 @@ def evaluate_nodes(
         not_evaluated,
         assumed,
         replicas,
+        nenv,
     )
 
 

@@ -292,10 +292,19 @@ def nodes_lines(p: PlanResult) -> list[str]:
                 f"{lt.flat_rank_hop_us:.1f}",
             ]
         )
-    out += _table(head, rows)
+    if not q.traffic:
+        rows = []
+        out.append(
+            f"  none: {p.model.experts} experts do not split over {q.gpus} EP ranks (no EP across "
+            "the nodes)"
+        )
+    else:
+        out += _table(head, rows)
+        out.append(
+            "  (layer = both hops + the node's exchange + 2 pcie_a2a calls; the flat columns are "
+            "their inter-node hops only, both ways)"
+        )
     out += [
-        "  (layer = both hops + the node's exchange + 2 pcie_a2a calls; the flat columns are "
-        "their inter-node hops only, both ways)",
         "",
         f"configurations spanning the {q.nodes} nodes: predicted decode tok/s of all "
         f"{q.gpus} GPUs (band x{p.stack.band[0]:.2f}..x{p.stack.band[1]:.2f}); (x) = cannot "
