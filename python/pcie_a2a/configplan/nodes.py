@@ -33,7 +33,6 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from pcie_a2a.buffer_memory import combine_slot_bytes, dispatch_slot_bytes
-from pcie_a2a.topology import Traffic, with_reports
 
 from . import comm as cm
 from .configs import Config
@@ -289,21 +288,7 @@ class NodeExchanges(Exchanges):
         """The node's own exchange: each rank passes its tokens and the ones its rail
         peers forwarded (``rows_per_rank`` = tokens x nodes in expectation: a forwarded
         token hits local rank r with P(r) / P(node)), to each local rank it hits."""
-        g, total = self.per_node, self.topology.num_gpus
-
-        def matrix(row: float) -> tuple[tuple[float, ...], ...]:
-            return tuple(
-                tuple(
-                    rows_per_rank * hit[d] * row if s < g and d < g and s != d else 0.0
-                    for d in range(total)
-                )
-                for s in range(total)
-            )
-
-        reports = with_reports(
-            self.topo_plan, [Traffic("dispatch", matrix(d_row)), Traffic("combine", matrix(c_row))]
-        ).reports
-        return sum(r.predicted_us for r in reports)
+        return self.planned_us(self.per_node, rows_per_rank, hit, d_row, c_row)
 
 
 @dataclass
