@@ -64,7 +64,7 @@ class Inputs:
         nodes = self.nodes
         if nodes is not None and (isinstance(nodes, bool) or not isinstance(nodes, int)):
             raise ValueError(f"--nodes: got {nodes!r}; allowed: an int >= 1")
-        if nodes is not None and not 1 <= nodes <= 64:
+        if nodes is not None and not 1 <= nodes <= 64:  # a sanity bound, not NCCL's
             raise ValueError(f"--nodes: got {nodes!r}; allowed: 1 to 64")
         if self.nic is not None:
             if nodes is None:

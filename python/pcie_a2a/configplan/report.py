@@ -302,7 +302,7 @@ def nodes_lines(p: PlanResult) -> list[str]:
         out += _table(head, rows)
         out.append(
             "  (layer = both hops + the node's exchange + 2 pcie_a2a calls; the flat columns are "
-            "their inter-node hops only, both ways)"
+            "their inter-node hops only, both ways, one NCCL round each)"
         )
     out += [
         "",
