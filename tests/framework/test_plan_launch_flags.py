@@ -14,6 +14,7 @@ from fw_utils import import_framework
 
 from pcie_a2a.configplan import ask, launch
 from pcie_a2a.configplan.configs import Config
+from pcie_a2a.configplan.nodes import multinode_flags
 from pcie_a2a.configplan.stacks import STACKS
 
 CONFIGS = [
@@ -36,12 +37,15 @@ def _options(line: str) -> list[str]:
 
 
 def _lines(gen) -> list[str]:
-    return [
+    lines = [
         gen(c, "org/model", 4096, kv, 8192, stack)
         for c in CONFIGS
         for kv in (False, True)
         for stack in (None, STACKS["vllm-tuned"], EAGER, STACKS["vllm-tuned-mtp"])
     ]
+    # `plan --nodes`: a pipeline stage per node, each node's line with the multi-node flags
+    pp = gen(Config(4, 2), "org/model", 4096, False, 8192, STACKS["vllm-tuned"])
+    return [*lines, f"{pp} {multinode_flags(gen.__name__, 2)}"]
 
 
 def _asked(framework: str) -> list[str]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..gpus import Gpu, get_gpu, identify
@@ -12,6 +12,7 @@ from .exchange import Exchanges
 from .imbalance import Routing, load_routing, zipf
 from .measured import Measured, read_bench, read_probe
 from .models import ModelShape, load_model
+from .nodes import evaluate_nodes, parse_nic
 from .predict import Env
 from .run import Recommendation, Result, evaluate_all, recommend
 from .stacks import Stack, get_stack, load_stack
@@ -39,6 +40,8 @@ class Inputs:
     tables: str | None = None
     max_tpot_ms: float = 50.0
     config: str | None = None  # a configuration in SGLang's or vLLM's own flags
+    nodes: int | None = None  # N nodes of this box (--nodes); 1 = the box alone
+    nic: str | None = None  # the NICs joining them (--nic SPEC, configplan.nodes.parse_nic)
 
     def check(self) -> None:
         if self.gpus is not None and (not isinstance(self.gpus, int) or self.gpus < 1):
@@ -58,6 +61,22 @@ class Inputs:
             raise ValueError(f"--redundant-experts: got {self.redundant!r}; allowed: an int >= 0")
         if self.routing and self.skew:
             raise ValueError("--routing and --skew: give one of them, not both")
+        nodes = self.nodes
+        if nodes is not None and (isinstance(nodes, bool) or not isinstance(nodes, int)):
+            raise ValueError(f"--nodes: got {nodes!r}; allowed: an int >= 1")
+        if nodes is not None and not 1 <= nodes <= 64:  # a sanity bound, not NCCL's
+            raise ValueError(f"--nodes: got {nodes!r}; allowed: 1 to 64")
+        if self.nic is not None:
+            if nodes is None:
+                raise ValueError(
+                    f"--nic: got {self.nic!r} without --nodes; allowed: with --nodes N"
+                )
+            parse_nic(self.nic)  # a bad SPEC is an error even where one node ignores it
+        elif nodes is not None and nodes > 1:
+            raise ValueError(
+                f"--nodes {nodes}: needs --nic SPEC, the NICs per node (e.g. 2x100g-roce); "
+                "nothing is assumed about the network"
+            )
 
 
 @dataclass
@@ -77,6 +96,7 @@ class PlanResult:
     notes: list[str] = field(default_factory=list)
     assumed: list[str] = field(default_factory=list)  # said in the first lines
     asked: object | None = None  # the --config explanation (configplan.ask.Asked)
+    nodes: object | None = None  # --nodes N > 1: configplan.nodes.NodesPlan
 
     @property
     def max_model_len(self) -> int:
@@ -85,6 +105,8 @@ class PlanResult:
 
 def make_plan(inp: Inputs) -> PlanResult:
     inp.check()
+    if inp.nodes == 1:  # one node is the box itself: the same plan as without --nodes
+        inp = replace(inp, nodes=None, nic=None)
     model = load_model(inp.model)
     tables = load_tables(inp.tables) if inp.tables else Tables()
     notes: list[str] = []
@@ -177,6 +199,16 @@ def make_plan(inp: Inputs) -> PlanResult:
 
         asked = explain(inp.config, env, n, results, inp.max_tpot_ms)
     notes += exchanges.notes
+    rec = recommend(results, cap_ms=inp.max_tpot_ms, band=stack.band)
+    nodes = None
+    if inp.nodes:
+        nic = parse_nic(inp.nic)
+        nodes = evaluate_nodes(env, n, inp.nodes, nic, inp.payload, inp.max_tpot_ms, rec.best)
+        assumed.append(
+            f"across {inp.nodes} nodes: the NIC numbers ({nodes.gbps_kind}) and a NCCL round "
+            "from other boxes; nothing was measured across nodes of these boxes (section "
+            f"'across {inp.nodes} nodes')"
+        )
     return PlanResult(
         inp,
         model,
@@ -187,10 +219,11 @@ def make_plan(inp: Inputs) -> PlanResult:
         routing,
         env,
         results,
-        recommend(results, cap_ms=inp.max_tpot_ms, band=stack.band),
+        rec,
         topo_note,
         measured,
         notes,
         assumed,
         asked,
+        nodes,
     )

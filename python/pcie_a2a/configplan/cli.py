@@ -96,6 +96,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="extra expert slots for EP configurations (placed by pcie_a2a.balance.eplb)",
     )
     p.add_argument("--payload", default="fp8", help="pcie_a2a dispatch payload: fp8 or bf16")
+    p.add_argument(
+        "--nodes",
+        type=int,
+        metavar="N",
+        help="also plan N nodes of this box joined by --nic (1: the box alone, the default)",
+    )
+    p.add_argument(
+        "--nic",
+        metavar="SPEC",
+        help="the NICs per node: COUNTxRATEg-KIND[-gdr|-nogdr], KIND roce, ib or eth, "
+        "no GPUDirect RDMA unless -gdr (e.g. 2x100g-roce, 1x400g-ib-gdr, 1x25g-eth)",
+    )
     p.add_argument("--tables", metavar="FILE", help="JSON replacing measured/assumed tables")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--plot", metavar="FILE", help="write a PNG of tok/s against concurrency")
@@ -130,6 +142,8 @@ def run(args: argparse.Namespace) -> int:
             redundant=args.redundant,
             payload=args.payload,
             tables=args.tables,
+            nodes=args.nodes,
+            nic=args.nic,
         )
         result = make_plan(inp)
     except (ValueError, TopologyError, OSError) as exc:

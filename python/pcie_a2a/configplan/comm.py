@@ -123,6 +123,8 @@ def p2p_send(size: float, gbps: float, latency_us: float, t: Tables, where: str)
     if size <= 0:
         return ZERO
     us = max(t.pp_send_floor_us, latency_us) + size / (gbps * 1e3)
+    if where.startswith("node "):  # between two nodes (configplan.nodes): the NIC's numbers
+        return Cost(us, "model", f"NCCL send between nodes: {where}")
     return Cost(
         us, "model", f"NCCL send: {t.pp_send_floor_source}; pair numbers from the topology plan"
     )

@@ -109,26 +109,30 @@ class Exchanges:
         if n > total:
             raise ValueError(f"EP {n} on a topology of {total} GPUs")
         hit = rank_hit_probability(env.routing, place(env.routing, n, cfg.redundant), m.top_k)
-
-        def matrix(row_bytes: float) -> tuple[tuple[float, ...], ...]:
-            return tuple(
-                tuple(
-                    per_rank * hit[d] * row_bytes if s < n and d < n and s != d else 0.0
-                    for d in range(total)
-                )
-                for s in range(total)
-            )
-
-        disp = Traffic("dispatch", matrix(dispatch_row_bytes(m.hidden, m.top_k, cfg.payload)))
-        comb = Traffic("combine", matrix(float(row_bytes(m.hidden, m.top_k, cfg.payload)[1])))
-        reports = with_reports(self.topo_plan, [disp, comb]).reports
-        us = sum(r.predicted_us for r in reports) + 2 * env.tables.pcie_a2a_call_us
+        d_row, c_row = row_bytes(m.hidden, m.top_k, cfg.payload)
+        us = self.planned_us(n, per_rank, hit, d_row, c_row) + 2 * env.tables.pcie_a2a_call_us
         return cm.Cost(
             us,
             "model",
             f"topology planner (pair numbers: {self.pair_numbers()}), {cfg.payload} dispatch, + "
             f"2 x {env.tables.pcie_a2a_call_us:g} µs per call ({env.tables.pcie_a2a_call_source})",
         )
+
+    def planned_us(self, n: int, rows: float, hit, d_row: float, c_row: float) -> float:
+        """The topology planner's dispatch + combine on GPUs 0..n-1: each sends ``rows`` rows
+        to each other rank d with probability ``hit[d]``, ``d_row`` bytes out, ``c_row`` back."""
+        total = self.topology.num_gpus
+
+        def matrix(row: float) -> tuple[tuple[float, ...], ...]:
+            return tuple(
+                tuple(
+                    rows * hit[d] * row if s < n and d < n and s != d else 0.0 for d in range(total)
+                )
+                for s in range(total)
+            )
+
+        traffic = [Traffic("dispatch", matrix(d_row)), Traffic("combine", matrix(c_row))]
+        return sum(r.predicted_us for r in with_reports(self.topo_plan, traffic).reports)
 
     def pair_numbers(self) -> str:
         pairs = self.topo_plan.pairs

@@ -9,6 +9,8 @@ from typing import Any
 
 from . import launch
 from .api import PlanResult
+from .comm import link_gbps
+from .nodes import multinode_flags
 from .predict import TERMS
 from .run import CONCURRENCIES, Result, under_cap
 from .stacks import GIB, STACKS
@@ -173,6 +175,8 @@ def text(p: PlanResult) -> str:
     if p.asked is not None:
         out += ["", *asked_lines(p)]
     out += ["", *recommendation_lines(p)]
+    if p.nodes is not None:
+        out += ["", *nodes_lines(p)]
     out += ["", "where the numbers come from:", *provenance_lines(p)]
     if p.notes:
         out += ["", "notes:", *(f"  - {n}" for n in p.notes)]
@@ -239,6 +243,175 @@ def recommendation_lines(p: PlanResult) -> list[str]:
             "which is not modelled; nothing of pcie_a2a has run on a GPU yet"
         )
     return out
+
+
+def node_commands(p: PlanResult, r: Result) -> dict[str, str]:
+    """A configuration spanning the nodes: each node's line (NODE_RANK 0..N-1)."""
+    n = p.nodes.nodes
+    return {fw: f"{line} {multinode_flags(fw, n)}" for fw, line in commands(p, r).items()}
+
+
+def nodes_lines(p: PlanResult) -> list[str]:
+    """The ``--nodes N --nic SPEC`` section: the inter-node hop, its bytes per MoE layer,
+    the configurations that span the nodes (or why not) and N boxes side by side."""
+    q = p.nodes
+    t = p.tables
+    cap = p.inputs.max_tpot_ms
+    out = [
+        f"across {q.nodes} nodes (--nodes {q.nodes} --nic {q.nic.spec}): {q.gpus} x "
+        f"{p.gpu.name}, {q.per_node} per node; every figure below is predicted",
+        *(f"  assumed: {a}" for a in q.assumed),
+        f"  NIC: {q.gbps:.1f} GB/s per node and direction ({q.gbps_kind}: {q.gbps_source})",
+        f"  NCCL round across nodes: {t.internode_latency_us:g} µs ({t.internode_latency_source})",
+        "",
+        "bytes of one MoE layer per decode step leaving the busiest node, per exchange "
+        "(multi-node Buffer: a row per (token, other node) out, "
+        f"{p.model.hidden * 4:,} B fp32 back, 16 B header per peer; flat: a bf16 row per "
+        "(token, expert) each way, or pcie_a2a's row per (token, rank)), and their times in µs "
+        "(hop = NCCL rounds + wire + host bounce; node = the node's own exchange)",
+    ]
+    head = ["C", "tokens/rank", "nodes/token", "dispatch B", "combine B", "flat/expert B"]
+    head += ["flat/rank B", "hop disp", "hop comb", "node", "layer", "flat/expert", "flat/rank"]
+    rows = []
+    for lt in q.traffic:
+        d, c = lt.dispatch_hop, lt.combine_hop
+        rows.append(
+            [
+                str(lt.concurrency),
+                str(lt.tokens_per_rank),
+                f"{lt.node_rows:.3f}",
+                f"{lt.dispatch_bytes:,.0f}",
+                f"{lt.combine_bytes:,.0f}",
+                f"{lt.flat_expert_bytes:,.0f}",
+                f"{sum(lt.flat_rank_bytes):,.0f}",
+                f"{d.latency_us:.0f}+{d.wire_us:.1f}+{d.bounce_us:.1f}",
+                f"{c.latency_us:.0f}+{c.wire_us:.1f}+{c.bounce_us:.1f}",
+                f"{lt.intra_us:.1f}",
+                f"{lt.layer_us:.1f}",
+                f"{lt.flat_expert_hop_us:.1f}",
+                f"{lt.flat_rank_hop_us:.1f}",
+            ]
+        )
+    if not q.traffic:
+        rows = []
+        out.append(
+            f"  none: {p.model.experts} experts do not split over {q.gpus} EP ranks (no EP across "
+            "the nodes)"
+        )
+    else:
+        out += _table(head, rows)
+        out.append(
+            "  (layer = both hops + the node's exchange + 2 pcie_a2a calls; the flat columns are "
+            "their inter-node hops only, both ways, one NCCL round each)"
+        )
+    out += [
+        "",
+        f"configurations spanning the {q.nodes} nodes: predicted decode tok/s of all "
+        f"{q.gpus} GPUs (band x{p.stack.band[0]:.2f}..x{p.stack.band[1]:.2f}); (x) = cannot "
+        "run today, shown for reference",
+    ]
+    head = ["configuration", "SGLang", "vLLM", "KV holds"]
+    head += [f"C={c}" for c in CONCURRENCIES] + ["TPOT C=1", f"TPOT<={cap:g}ms", "@C"]
+    rows = []
+    for r in q.results:
+        if not r.modelled:
+            continue
+        cc, ct = under_cap(r, cap)
+        rows.append(
+            [
+                r.config.name + ("" if r.runs else "  (x)"),
+                "ok" if not r.reasons["sglang"] else "no",
+                "ok" if not r.reasons["vllm"] else "no",
+                str(r.memory.max_requests) if r.memory.fits else "OOM",
+                *(_tok(r.steps[c].tok_s) + ("*" if c > r.c_max else "") for c in CONCURRENCIES),
+                f"{r.steps[1].tpot_us / 1e3:.1f} ms",
+                _tok(ct) if cc else "-",
+                str(cc) if cc else "-",
+            ]
+        )
+    out += _table(head, rows)
+    out += ["", "cannot run across nodes:"]
+    for r in q.results:
+        if not r.runs:
+            out.append(f"  {r.config.name}: {r.why_not()}")
+    out += [f"  {name}: {why}" for name, why in q.refused]
+    out += [f"  not evaluated: {n}" for n in q.not_evaluated]
+    ok = [r for r in q.results if r.runs and under_cap(r, cap)[0]]
+    if q.replicas is not None:
+        name, c, tok = q.replicas
+        out.append(
+            f"{q.nodes} separate boxes, each running the one-box recommendation {name}: "
+            f"{q.nodes} x {_tok(tok)} = {_tok(q.nodes * tok)} tok/s under {cap:g} ms (C={c} each)"
+        )
+    if ok:
+        best = max(ok, key=lambda r: under_cap(r, cap)[1])
+        c, tok = under_cap(best, cap)
+        out.append(
+            f"best spanning the nodes that runs today: {best.config.name} across "
+            f"{q.nodes} nodes: {_band(p, tok)} at C={c} (one line per node, NODE_RANK 0.."
+            f"{q.nodes - 1}, HEAD_IP node 0's address)"
+        )
+        cmds = node_commands(p, best)
+        out += [f"  {fw}: {cmds[fw]}" for fw in ("sglang", "vllm") if not best.reasons[fw]]
+    return out
+
+
+def _nodes_doc(p: PlanResult) -> dict[str, Any] | None:
+    q = p.nodes
+    if q is None:
+        return None
+    t = p.tables
+
+    def hop_doc(h) -> dict[str, float]:
+        return {"latency_us": h.latency_us, "wire_us": h.wire_us, "bounce_us": h.bounce_us}
+
+    return {
+        "nodes": q.nodes,
+        "gpus_per_node": q.per_node,
+        "nic": {
+            "spec": q.nic.spec,
+            "count": q.nic.count,
+            "gbit": q.nic.gbit,
+            "kind": q.nic.kind,
+            "gdr": q.nic.gdr,
+            "line_gbps": q.nic.line_gbps,
+            "nccl_gbps": q.gbps,
+            "kind_of_number": q.gbps_kind,
+            "source": q.gbps_source,
+            "round_us": [t.internode_latency_us, t.internode_latency_source],
+            "host_link_gbps": None if q.nic.gdr else link_gbps(p.gpu),
+        },
+        "assumed": list(q.assumed),
+        "moe_layer": [
+            {
+                "concurrency": lt.concurrency,
+                "tokens_per_rank": lt.tokens_per_rank,
+                "nodes_per_token": lt.node_rows,
+                "dispatch_bytes": lt.dispatch_bytes,
+                "combine_bytes": lt.combine_bytes,
+                "flat_expert_bytes_each_way": lt.flat_expert_bytes,
+                "flat_rank_bytes": list(lt.flat_rank_bytes),
+                "dispatch_hop": hop_doc(lt.dispatch_hop),
+                "combine_hop": hop_doc(lt.combine_hop),
+                "node_exchange_us": lt.intra_us,
+                "calls_us": lt.call_us,
+                "layer_us": lt.layer_us,
+                "flat_expert_hop_us": lt.flat_expert_hop_us,
+                "flat_rank_hop_us": lt.flat_rank_hop_us,
+            }
+            for lt in q.traffic
+        ],
+        "configurations": [
+            _config_doc(p, r, node_commands(p, r) if r.modelled else None) for r in q.results
+        ],
+        "refused": [{"name": n, "reason": w} for n, w in q.refused],
+        "not_evaluated": list(q.not_evaluated),
+        "replicas": (
+            dict(zip(("configuration", "concurrency", "tok_s_per_box"), q.replicas))
+            if q.replicas
+            else None
+        ),
+    }
 
 
 def asked_lines(p: PlanResult) -> list[str]:
@@ -331,63 +504,62 @@ def _step_doc(s) -> dict[str, Any]:
     }
 
 
+def _config_doc(p: PlanResult, r: Result, launch: dict[str, str] | None = None) -> dict:
+    c = r.config
+    m = r.memory
+    launch = commands(p, r) if launch is None else launch
+    return {
+        "name": c.name,
+        "layout": {
+            "tp": c.tp,
+            "pp": c.pp,
+            "attn_dp": c.attn_dp,
+            "attn_tp": c.attn_tp,
+            "ep": c.ep,
+            "moe_tp": c.moe_tp,
+            "comm": c.comm,
+            "redundant": c.redundant,
+            "payload": c.payload,
+            "gpus": c.gpus,
+            "tried": c.tried,
+        },
+        "runs": r.runs,
+        "frameworks": {
+            fw: {
+                "ok": not r.reasons[fw],
+                "reasons": r.reasons[fw],
+                "launch": launch[fw] if not r.reasons[fw] else None,
+            }
+            for fw in ("sglang", "vllm")
+        },
+        "why_not": r.why_not(),
+        "memory": {
+            "fits": m.fits,
+            "weights_gib": m.weights / GIB,
+            "buffers_gib": m.buffers / GIB,
+            "activations_gib": m.activations / GIB,
+            "budget_gib": m.budget / GIB,
+            "budget": m.budget_note,
+            "kv_free_gib": m.kv_free / GIB,
+            "kv_per_request_gib": m.kv_per_request / GIB,
+            "max_requests": m.max_requests,
+        },
+        "decode": {str(k): _step_doc(s) for k, s in r.steps.items()} or None,
+        "peak": {"concurrency": r.peak_c, "tok_s": r.peak_tok_s} if r.modelled else None,
+        "under_tpot_cap": (
+            dict(zip(("concurrency", "tok_s"), under_cap(r, p.inputs.max_tpot_ms)))
+            if r.modelled
+            else None
+        ),
+        "max_concurrency": r.c_max,
+        "curve": [[c_, v] for c_, v in r.curve],
+        "prefill": ({"chunk": r.prefill_chunk, **_step_doc(r.prefill)} if r.prefill else None),
+    }
+
+
 def to_doc(p: PlanResult) -> dict[str, Any]:
     t = p.tables
-    configs = []
-    for r in p.results:
-        c = r.config
-        m = r.memory
-        configs.append(
-            {
-                "name": c.name,
-                "layout": {
-                    "tp": c.tp,
-                    "pp": c.pp,
-                    "attn_dp": c.attn_dp,
-                    "attn_tp": c.attn_tp,
-                    "ep": c.ep,
-                    "moe_tp": c.moe_tp,
-                    "comm": c.comm,
-                    "redundant": c.redundant,
-                    "payload": c.payload,
-                    "gpus": c.gpus,
-                    "tried": c.tried,
-                },
-                "runs": r.runs,
-                "frameworks": {
-                    fw: {
-                        "ok": not r.reasons[fw],
-                        "reasons": r.reasons[fw],
-                        "launch": commands(p, r)[fw] if not r.reasons[fw] else None,
-                    }
-                    for fw in ("sglang", "vllm")
-                },
-                "why_not": r.why_not(),
-                "memory": {
-                    "fits": m.fits,
-                    "weights_gib": m.weights / GIB,
-                    "buffers_gib": m.buffers / GIB,
-                    "activations_gib": m.activations / GIB,
-                    "budget_gib": m.budget / GIB,
-                    "budget": m.budget_note,
-                    "kv_free_gib": m.kv_free / GIB,
-                    "kv_per_request_gib": m.kv_per_request / GIB,
-                    "max_requests": m.max_requests,
-                },
-                "decode": {str(k): _step_doc(s) for k, s in r.steps.items()} or None,
-                "peak": {"concurrency": r.peak_c, "tok_s": r.peak_tok_s} if r.modelled else None,
-                "under_tpot_cap": (
-                    dict(zip(("concurrency", "tok_s"), under_cap(r, p.inputs.max_tpot_ms)))
-                    if r.modelled
-                    else None
-                ),
-                "max_concurrency": r.c_max,
-                "curve": [[c_, v] for c_, v in r.curve],
-                "prefill": (
-                    {"chunk": r.prefill_chunk, **_step_doc(r.prefill)} if r.prefill else None
-                ),
-            }
-        )
+    configs = [_config_doc(p, r) for r in p.results]
     rec = p.recommendation
     s = p.stack
     return {
@@ -478,6 +650,7 @@ def to_doc(p: PlanResult) -> dict[str, Any]:
             "latency_launch": commands(p, rec.latency) if rec.latency else None,
         },
         "asked": _asked_doc(p),
+        "nodes": _nodes_doc(p),
         "notes": list(p.notes),
     }
 

@@ -181,6 +181,27 @@ class Tables:
         + _AICONFIG
         + ")"
     )
+    # The inter-node hop (``--nodes N --nic SPEC``, :mod:`.nodes`). No NCCL number has been
+    # measured across nodes of these boxes; these come from other PCIe boxes.
+    nic_efficiency: float = 0.6
+    nic_efficiency_source: str = (
+        "measured once: 2 nodes x 8 RTX 5090, dual-port 100G RoCE, no GPUDirect RDMA: NCCL "
+        "all_reduce about 15 GB/s (github.com/aikitoria/open-gpu-kernel-modules issue 20, "
+        "research/field_2026.md s9) = 0.6 of the 25 GB/s line rate; every other NIC class is "
+        "assumed to reach the same fraction of its line rate"
+    )
+    nic_nogdr_cap_gbps: float = 7.5
+    nic_nogdr_cap_source: str = (
+        "without GPUDirect RDMA NCCL stages through host memory and does not follow the line "
+        "rate: 15 GB/s over 2 x 100G NICs is 7.5 per NIC, and 3 nodes x 8 RTX 5090 with one "
+        "400G IB NIC each reached 8 GB/s all_reduce (20 with GDR enabled), the same issue 20"
+    )
+    internode_latency_us: float = 31.0
+    internode_latency_source: str = (
+        "one NCCL send/recv round between 2 nodes, 256 B-8 KB: 30.7-34.2 µs (nccl-tests "
+        "sendrecv_perf, 2 x A40 nodes, github.com/NVIDIA/nccl-tests issue 214); another box "
+        "and network, taken for every NIC class (assumed)"
+    )
     overrides: str = ""
 
     def with_overrides(self, doc: Mapping[str, Any], source: str) -> Tables:
@@ -226,6 +247,9 @@ _SCALARS = {
     "pp_send_floor_us": "pp_send_floor_source",
     "kernel_gap_graph_us": "kernel_gap_graph_source",
     "kernel_gap_eager_us": "kernel_gap_eager_source",
+    "nic_efficiency": "nic_efficiency_source",
+    "nic_nogdr_cap_gbps": "nic_nogdr_cap_source",
+    "internode_latency_us": "internode_latency_source",
 }
 
 
