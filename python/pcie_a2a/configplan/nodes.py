@@ -56,9 +56,10 @@ _FORM = (
 _ANCHOR = (2, 100, "roce", False)  # the measured anchor's NICs (tables.nic_efficiency)
 
 NOT_BUILT = (
-    "pcie_a2a does not span nodes in SGLang or vLLM yet: its CUDA inter-node stage (NCCL "
-    "between nodes, per-node packing kernels) and the integrations' groups across nodes are "
-    "not built (docs/internode.md); predicted as what that design would give"
+    "pcie_a2a does not span nodes on GPUs yet: its CUDA inter-node stage (NCCL between "
+    "nodes, per-node packing kernels) is not built, and SGLang/vLLM servers across nodes are "
+    "refused at launch on GPUs (the CPU path runs, docs/internode.md); predicted as what "
+    "that design would give"
 )
 
 
